@@ -1,0 +1,55 @@
+"""Backend registry, dispatch with aggregated "why not" errors, and :func:`info`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from .backends import ALL
+from .inputs import AttentionInputs
+
+BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str | None
+
+
+def info() -> list[BackendInfo]:
+    """Every backend in priority order, with whether it can run here and, if not, why."""
+    out = []
+    for b in ALL:
+        reason = b.unavailable_reason()
+        out.append(BackendInfo(b.NAME, reason is None, reason))
+    return out
+
+
+def reasons(backend: ModuleType, inp: AttentionInputs) -> list[str]:
+    """Why ``backend`` cannot run ``inp`` (empty when it can)."""
+    missing = backend.unavailable_reason()
+    return [missing] if missing else list(backend.supports(inp))
+
+
+def check_backend_name(name: object, where: str) -> None:
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"{where}: unknown backend {name!r}; expected None or one of {sorted(BACKENDS)}")
+
+
+def select(inp: AttentionInputs, name: str | None, where: str) -> ModuleType:
+    """The backend to run: ``name`` if given (never replaced), else the first one that supports ``inp``."""
+    if name is not None:
+        backend = BACKENDS[name]
+        why = reasons(backend, inp)
+        if why:
+            raise ValueError(f"{where}: backend={name!r} cannot run these inputs: " + "; ".join(why))
+        return backend
+    report = []
+    for backend in ALL:
+        why = reasons(backend, inp)
+        if not why:
+            return backend
+        report.append(f"  {backend.NAME}: " + "; ".join(why))
+    raise ValueError(f"{where}: no backend can run these inputs:\n" + "\n".join(report))

@@ -1,0 +1,131 @@
+"""Parse and validate ``cu_seqlens`` into one frozen :class:`SeqLayout`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """Where each sequence of a packed batch lives.
+
+    ``cu_q``/``cu_k`` are the caller's offset tensors (any device); ``host_q``/``host_k`` are the same
+    offsets as Python ints, so that planning never waits on the device.
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    host_q: tuple[int, ...]
+    host_k: tuple[int, ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.host_q) - 1
+
+    @property
+    def total_q(self) -> int:
+        return self.host_q[-1]
+
+    @property
+    def total_k(self) -> int:
+        return self.host_k[-1]
+
+    def seqlens_q(self) -> list[int]:
+        return [b - a for a, b in zip(self.host_q, self.host_q[1:])]
+
+    def seqlens_k(self) -> list[int]:
+        return [b - a for a, b in zip(self.host_k, self.host_k[1:])]
+
+    @property
+    def max_q(self) -> int:
+        return max(self.seqlens_q(), default=0)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.seqlens_k(), default=0)
+
+    def sequences(self) -> list[tuple[int, int, int, int]]:
+        """``(q_start, q_end, k_start, k_end)`` for every sequence."""
+        hq, hk = self.host_q, self.host_k
+        return [(hq[b], hq[b + 1], hk[b], hk[b + 1]) for b in range(self.batch)]
+
+    @staticmethod
+    def build(
+        cu_seqlens_q: object,
+        cu_seqlens_k: object,
+        total_q: int,
+        total_k: int,
+        *,
+        cu_seqlens_q_host: Sequence[int] | None = None,
+        cu_seqlens_k_host: Sequence[int] | None = None,
+        where: str = "varlen_attention",
+    ) -> SeqLayout:
+        """Validate the offsets against the token counts and return the layout.
+
+        Without host copies the offsets are read from the device once (a sync); host copies, when given,
+        are trusted to equal the device tensors and only checked for consistency with the token counts.
+        """
+        cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", where)
+        cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", where)
+        host_q = _host_offsets(cu_q, cu_seqlens_q_host, "cu_seqlens_q", where)
+        host_k = _host_offsets(cu_k, cu_seqlens_k_host, "cu_seqlens_k", where)
+        _check_offsets(host_q, total_q, "cu_seqlens_q", "q.shape[0]", where)
+        _check_offsets(host_k, total_k, "cu_seqlens_k", "k.shape[0]", where)
+        if len(host_q) != len(host_k):
+            raise ValueError(
+                f"{where}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                f"got {len(host_q) - 1} and {len(host_k) - 1} (lengths {len(host_q)} and {len(host_k)})"
+            )
+        return SeqLayout(cu_q, cu_k, host_q, host_k)
+
+
+def _check_cu(cu: object, name: str, where: str) -> torch.Tensor:
+    if cu is None:
+        raise TypeError(f"{where}: {name} is required (a 1-D int32/int64 tensor of B + 1 offsets), got None")
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor of int32/int64 offsets, got {type(cu).__name__}")
+    if cu.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{where}: {name} must have dtype int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1:
+        raise ValueError(f"{where}: {name} must be 1-D (B + 1 offsets), got shape {tuple(cu.shape)}")
+    if cu.numel() < 2:
+        raise ValueError(
+            f"{where}: {name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}"
+        )
+    return cu
+
+
+def _host_offsets(cu: torch.Tensor, host: Sequence[int] | None, name: str, where: str) -> tuple[int, ...]:
+    if host is None:
+        return tuple(int(x) for x in cu.tolist())
+    if isinstance(host, torch.Tensor):
+        raise TypeError(f"{where}: {name}_host must be a list/tuple of Python ints, got a torch.Tensor")
+    try:
+        values = tuple(host)
+    except TypeError:
+        raise TypeError(f"{where}: {name}_host must be a list/tuple of ints, got {type(host).__name__}") from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise TypeError(f"{where}: {name}_host must hold only Python ints, got {values!r}")
+    if len(values) != cu.numel():
+        raise ValueError(
+            f"{where}: {name}_host must have the same length as {name} ({cu.numel()}), got {len(values)}"
+        )
+    return values
+
+
+def _check_offsets(host: tuple[int, ...], total: int, name: str, total_name: str, where: str) -> None:
+    if host[0] != 0:
+        raise ValueError(f"{where}: {name} must start at 0, got {host[0]}")
+    for b in range(len(host) - 1):
+        if host[b + 1] < host[b]:
+            raise ValueError(
+                f"{where}: {name} must be non-decreasing, got {host[b]} then {host[b + 1]} "
+                f"at positions {b} and {b + 1}"
+            )
+    if host[-1] != total:
+        raise ValueError(f"{where}: {name} must end at {total_name} ({total}), got {host[-1]}")

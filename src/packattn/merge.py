@@ -1,0 +1,59 @@
+"""Combine attention results over disjoint key sets through their log-sum-exp."""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import compute_dtype
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results of the same queries over disjoint key sets.
+
+    Args:
+        out_a, out_b: ``(T, H, Dv)`` partial outputs, each normalised over its own keys.
+        lse_a, lse_b: ``(H, T)`` natural-log LSE of each part; ``-inf`` marks a row that saw no key.
+
+    Returns:
+        ``(out, lse)`` with ``lse = logaddexp(lse_a, lse_b)`` and
+        ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``, computed in float32 (float64 for
+        float64 inputs). ``out`` has ``out_a``'s dtype and ``lse`` is float32 (float64). A row that is
+        empty on both sides gives out 0 and LSE -inf, never NaN. Differentiable.
+
+    Example:
+        >>> import torch, packattn
+        >>> o, l = torch.ones(2, 1, 4), torch.zeros(1, 2)
+        >>> out, lse = packattn.merge_attention_states(o, l, torch.zeros(2, 1, 4), torch.full((1, 2), -torch.inf))
+        >>> out[0, 0].tolist(), lse.tolist()
+        ([1.0, 1.0, 1.0, 1.0], [[0.0, 0.0]])
+    """
+    where = "merge_attention_states"
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+    if out_a.dim() != 3 or out_a.shape != out_b.shape:
+        raise ValueError(
+            f"{where}: out_a and out_b must both be (T, H, Dv) of the same shape, got "
+            f"{tuple(out_a.shape)} and {tuple(out_b.shape)}"
+        )
+    expected = (out_a.shape[1], out_a.shape[0])
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{where}: {name} must have shape (H, T) = {expected}, got {tuple(t.shape)}")
+    if out_a.dtype != out_b.dtype:
+        raise TypeError(f"{where}: out_a and out_b must have the same dtype, got {out_a.dtype} and {out_b.dtype}")
+    cdt = compute_dtype(torch.promote_types(out_a.dtype, lse_a.dtype))
+    la, lb = lse_a.to(cdt), lse_b.to(cdt)
+    lse = torch.logaddexp(la, lb)
+    # Rows empty on both sides have lse = -inf; subtract 0 there so the weights are exp(-inf) = 0.
+    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(la - ref).transpose(0, 1)[..., None]
+    wb = torch.exp(lb - ref).transpose(0, 1)[..., None]
+    # A side with weight 0 contributes exactly 0, even if its output holds garbage (e.g. NaN).
+    zero = out_a.new_zeros((), dtype=cdt)
+    out = torch.where(wa > 0, out_a.to(cdt) * wa, zero) + torch.where(wb > 0, out_b.to(cdt) * wb, zero)
+    return out.to(out_a.dtype), lse
