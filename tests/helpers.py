@@ -61,8 +61,11 @@ def make_case(
 
 
 def backend_reasons(name: str, case: Case, return_lse: bool, **mask: object) -> list[str]:
-    spec = check_mask(case.q, where="test", **{"softmax_scale": None, "causal": False, "window_size": (-1, -1),
-                                              "softcap": 0.0, **mask})  # type: ignore[arg-type]
+    spec = check_mask(
+        case.q,
+        where="test",
+        **{"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0, **mask},
+    )  # type: ignore[arg-type]
     layout = SeqLayout.build(*case.tensors(), case.q.shape[0], case.k.shape[0])
     return reasons(BACKENDS[name], AttentionInputs(case.q, case.k, case.v, layout, spec, return_lse))
 

@@ -23,6 +23,9 @@ PATTERNS = {
     "lq_gt_lk": ([9, 17], [4, 3]),
     "one_long": ([300], [300]),
     "cross": ([33, 10], [77, 77]),
+    "equal_runs": ([16, 16, 16, 5, 5], [16, 16, 16, 7, 7]),
+    "long_lq_lt_lk": ([600], [700]),
+    "long_lq_gt_lk": ([700, 1], [300, 9]),
 }
 MASKS = {
     "full": {},
@@ -59,14 +62,12 @@ def test_patterns_fp32(backend, pattern, mask):
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap"])
 def test_dtypes(backend, dtype, mask):
-    case = make_case([37, 0, 64, 5], [50, 9, 64, 0], hq=4, hkv=1, d=64, dtype=DTYPES[dtype], seed=3)
+    case = make_case([37, 0, 64, 64, 530], [50, 9, 64, 64, 600], hq=4, hkv=1, d=64, dtype=DTYPES[dtype], seed=3)
     _run_or_explain(backend, case, **MASKS[mask])
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize(
-    "heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"]
-)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("dims", [(32, 32), (48, 16), (16, 40)], ids=["d32", "dv_smaller", "dv_larger"])
 def test_heads_and_dims(backend, heads, dims):
     hq, hkv = heads

@@ -19,7 +19,7 @@ class _Attention(torch.autograd.Function):
     """Runs a backend's forward; gradients come from the backend's LSE-recomputing backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: ModuleType, inp: AttentionInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = backend.forward(inp)
@@ -28,7 +28,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)

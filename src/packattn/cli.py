@@ -1,4 +1,4 @@
-"""The ``packattn`` command: ``info`` and ``bench``."""
+"""The ``packattn`` command: ``info`` lists backends, ``bench`` runs the benchmark suite."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from .dispatch import info
 
 
 def _info() -> int:
-    print(f"packattn on torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"packattn on torch {torch.__version__}, Python {platform.python_version()}, {threads} threads")
     width = max(len(b.name) for b in info())
     for b in info():
         state = "available" if b.available else f"unavailable: {b.reason}"
@@ -19,11 +20,49 @@ def _info() -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.peers import IMPLEMENTATIONS
+    from .bench.runner import run_suite, write_json, write_plot
+
+    impls = args.impls.split(",") if args.impls else list(IMPLEMENTATIONS)
+    if args.quick and not args.impls:
+        impls.remove("flex (compiled)")  # compiling takes ~15 s per workload
+        print("flex (compiled): left out of --quick (it compiles for each workload); run without --quick")
+    unknown = [i for i in impls if i not in IMPLEMENTATIONS]
+    if unknown:
+        raise SystemExit(f"packattn bench: unknown --impls {unknown}; expected some of {list(IMPLEMENTATIONS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, meta = run_suite(
+        quick=args.quick,
+        names=args.workloads.split(",") if args.workloads else None,
+        dtypes=args.dtypes.split(","),
+        impls=impls,
+        min_time=0.2 if args.quick else 1.0,
+    )
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.plot:
+        write_plot(args.plot, rows)
+    wrong = [r for r in rows if r.status.startswith("WRONG")]
+    for r in wrong:
+        print(f"{r.workload} {r.dtype} {r.impl}: {r.status}")
+    return 1 if any(r.impl.startswith("packattn") for r in wrong) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="packattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="list backends and why any cannot run here")
+    b = sub.add_parser("bench", help="check packattn and its peers against the float64 oracle, then time them")
+    b.add_argument("--quick", action="store_true", help="smaller workloads, shorter timing, no compiled flex")
+    b.add_argument("--workloads", help="comma-separated subset, e.g. W1,W3")
+    b.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16 (default fp32,bf16)")
+    b.add_argument("--impls", help="comma-separated implementations (default: all)")
+    b.add_argument("--threads", type=int, help="torch.set_num_threads before timing")
+    b.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
-    return 2
+    return _bench(args)

@@ -34,7 +34,11 @@ def reasons(backend: ModuleType, inp: AttentionInputs) -> list[str]:
 
 
 def check_backend_name(name: object, where: str) -> None:
-    if name is not None and name not in BACKENDS:
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: backend must be a str or None, got {type(name).__name__}")
+    if name not in BACKENDS:
         raise ValueError(f"{where}: unknown backend {name!r}; expected None or one of {sorted(BACKENDS)}")
 
 

@@ -99,9 +99,7 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
-            raise ValueError(
-                f"{where}: {name} must be 3-D (tokens, heads, head_dim), got shape {tuple(t.shape)}"
-            )
+            raise ValueError(f"{where}: {name} must be 3-D (tokens, heads, head_dim), got shape {tuple(t.shape)}")
         if t.shape[2] == 0:
             raise ValueError(f"{where}: {name} must have head_dim > 0, got shape {tuple(t.shape)}")
     if q.dtype not in FLOAT_DTYPES:
@@ -122,8 +120,8 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str)
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
-            f"{where}: the number of query heads ({q.shape[1]}) must be a multiple of the number of "
-            f"key/value heads ({k.shape[1]}) for MHA/GQA/MQA"
+            f"{where}: the number of query heads (q.shape[1] = {q.shape[1]}) must be a multiple of the number "
+            f"of key/value heads (k.shape[1] = {k.shape[1]}) for MHA/GQA/MQA"
         )
 
 
@@ -138,12 +136,14 @@ def check_mask(
 ) -> MaskSpec:
     if not isinstance(causal, bool):
         raise TypeError(f"{where}: causal must be a bool, got {type(causal).__name__}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    if not isinstance(window_size, (tuple, list)) or not all(
+        isinstance(w, int) and not isinstance(w, bool) for w in window_size
     ):
         raise TypeError(f"{where}: window_size must be a pair of ints (left, right), got {window_size!r}")
+    if len(window_size) != 2:
+        raise ValueError(
+            f"{where}: window_size must be a pair (left, right), got {len(window_size)} entries: {window_size!r}"
+        )
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"{where}: window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")

@@ -36,10 +36,10 @@ class SeqLayout:
         return self.host_k[-1]
 
     def seqlens_q(self) -> list[int]:
-        return [b - a for a, b in zip(self.host_q, self.host_q[1:])]
+        return [b - a for a, b in zip(self.host_q, self.host_q[1:], strict=False)]
 
     def seqlens_k(self) -> list[int]:
-        return [b - a for a, b in zip(self.host_k, self.host_k[1:])]
+        return [b - a for a, b in zip(self.host_k, self.host_k[1:], strict=False)]
 
     @property
     def max_q(self) -> int:
@@ -74,8 +74,11 @@ class SeqLayout:
         cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", where)
         host_q = _host_offsets(cu_q, cu_seqlens_q_host, "cu_seqlens_q", where)
         host_k = _host_offsets(cu_k, cu_seqlens_k_host, "cu_seqlens_k", where)
-        _check_offsets(host_q, total_q, "cu_seqlens_q", "q.shape[0]", where)
-        _check_offsets(host_k, total_k, "cu_seqlens_k", "k.shape[0]", where)
+        # Name what the offsets were read from: a host copy, when given, is what gets checked and used.
+        name_q = "cu_seqlens_q" if cu_seqlens_q_host is None else "cu_seqlens_q_host"
+        name_k = "cu_seqlens_k" if cu_seqlens_k_host is None else "cu_seqlens_k_host"
+        _check_offsets(host_q, total_q, name_q, "q.shape[0]", where)
+        _check_offsets(host_k, total_k, name_k, "k.shape[0]", where)
         if len(host_q) != len(host_k):
             raise ValueError(
                 f"{where}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
@@ -94,9 +97,7 @@ def _check_cu(cu: object, name: str, where: str) -> torch.Tensor:
     if cu.dim() != 1:
         raise ValueError(f"{where}: {name} must be 1-D (B + 1 offsets), got shape {tuple(cu.shape)}")
     if cu.numel() < 2:
-        raise ValueError(
-            f"{where}: {name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}"
-        )
+        raise ValueError(f"{where}: {name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
     return cu
 
 
@@ -112,9 +113,7 @@ def _host_offsets(cu: torch.Tensor, host: Sequence[int] | None, name: str, where
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
         raise TypeError(f"{where}: {name}_host must hold only Python ints, got {values!r}")
     if len(values) != cu.numel():
-        raise ValueError(
-            f"{where}: {name}_host must have the same length as {name} ({cu.numel()}), got {len(values)}"
-        )
+        raise ValueError(f"{where}: {name}_host must have the same length as {name} ({cu.numel()}), got {len(values)}")
     return values
 
 
@@ -124,8 +123,7 @@ def _check_offsets(host: tuple[int, ...], total: int, name: str, total_name: str
     for b in range(len(host) - 1):
         if host[b + 1] < host[b]:
             raise ValueError(
-                f"{where}: {name} must be non-decreasing, got {host[b]} then {host[b + 1]} "
-                f"at positions {b} and {b + 1}"
+                f"{where}: {name} must be non-decreasing, got {host[b]} then {host[b + 1]} at positions {b} and {b + 1}"
             )
     if host[-1] != total:
         raise ValueError(f"{where}: {name} must end at {total_name} ({total}), got {host[-1]}")

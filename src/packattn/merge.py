@@ -46,11 +46,19 @@ def merge_attention_states(
             raise ValueError(f"{where}: {name} must have shape (H, T) = {expected}, got {tuple(t.shape)}")
     if out_a.dtype != out_b.dtype:
         raise TypeError(f"{where}: out_a and out_b must have the same dtype, got {out_a.dtype} and {out_b.dtype}")
+    if lse_a.dtype != lse_b.dtype:
+        raise TypeError(f"{where}: lse_a and lse_b must have the same dtype, got {lse_a.dtype} and {lse_b.dtype}")
+    for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if t.device != out_a.device:
+            raise ValueError(f"{where}: {name} must be on the same device as out_a ({out_a.device}), got {t.device}")
     cdt = compute_dtype(torch.promote_types(out_a.dtype, lse_a.dtype))
     la, lb = lse_a.to(cdt), lse_b.to(cdt)
-    lse = torch.logaddexp(la, lb)
-    # Rows empty on both sides have lse = -inf; subtract 0 there so the weights are exp(-inf) = 0.
-    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    # Rows empty on both sides have lse = -inf. logaddexp's gradient there is exp(-inf - -inf) = NaN, so
+    # those rows are computed on zeros and masked: their gradients are 0, like any row with weight 0.
+    empty = torch.isneginf(la) & torch.isneginf(lb)
+    lse = torch.logaddexp(la.masked_fill(empty, 0.0), lb.masked_fill(empty, 0.0)).masked_fill(empty, float("-inf"))
+    # Subtract 0 where lse is infinite so the weights of empty rows are exp(-inf) = 0.
+    ref = lse.masked_fill(torch.isinf(lse), 0.0)
     wa = torch.exp(la - ref).transpose(0, 1)[..., None]
     wb = torch.exp(lb - ref).transpose(0, 1)[..., None]
     # A side with weight 0 contributes exactly 0, even if its output holds garbage (e.g. NaN).

@@ -4,6 +4,6 @@
 They are listed in dispatch priority order; each one's ``supports`` rejects the devices it does not serve.
 """
 
-from . import reference, sdpa
+from . import cpu, reference, sdpa
 
-ALL = (sdpa, reference)
+ALL = (cpu, sdpa, reference)

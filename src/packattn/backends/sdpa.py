@@ -45,9 +45,10 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
             pieces.append(q.new_zeros(first, q.shape[1], v.shape[2]))
         if first == lq:
             continue
-        qb = q[qs + first : qe].transpose(0, 1)
-        kb = k[ks:ke].transpose(0, 1).repeat_interleave(g, dim=0)
-        vb = v[ks:ke].transpose(0, 1).repeat_interleave(g, dim=0)
+        # 4-D (1, H, L, D) views: the fused kernels take them without copies (3-D inputs fall back to math).
+        qb = q[qs + first : qe].transpose(0, 1)[None]
+        kb = k[ks:ke].transpose(0, 1)[None].repeat_interleave(g, dim=1)
+        vb = v[ks:ke].transpose(0, 1)[None].repeat_interleave(g, dim=1)
         rows = lq - first
         attn_mask = None
         is_causal = mask.causal and rows == lk
@@ -55,7 +56,7 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
             i = torch.arange(rows, device=q.device)[:, None]
             attn_mask = torch.arange(lk, device=q.device)[None, :] <= i + (lk - rows)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, is_causal=is_causal, scale=mask.scale)
-        pieces.append(o.transpose(0, 1))
+        pieces.append(o[0].transpose(0, 1))
     if not pieces:
         return q.new_zeros(0, q.shape[1], v.shape[2]), None
     return torch.cat(pieces).contiguous(), None

@@ -1,0 +1,186 @@
+"""What a user would run instead of packattn, each written the way its documentation suggests.
+
+``prepare(workload, q, k, v)`` returns a zero-argument callable that computes the packed output
+``(Tq, Hq, D)``, plus setup timings (mask building, compilation) that are reported apart. A peer that
+cannot run a workload raises :class:`Unsupported` with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import packattn
+
+from .workloads import Workload
+
+Run = Callable[[], torch.Tensor]
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _bottom_right(lq: int, lk: int) -> torch.Tensor:
+    return torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+
+
+def per_sequence_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+    """A loop over sequences calling SDPA, K/V heads repeated for GQA (transformers' CPU path)."""
+    g = wl.heads_q // wl.heads_kv
+    cu_q, cu_k = wl.cu_q, wl.cu_k
+    masks = {}
+    for lq, lk in zip(wl.lens_q, wl.lens_k):
+        if wl.causal and lq != lk and lq > 1 and (lq, lk) not in masks:
+            masks[lq, lk] = _bottom_right(lq, lk)
+
+    def run() -> torch.Tensor:
+        outs = []
+        for b in range(len(wl.lens_q)):
+            # 4-D (1, H, L, D) views: PyTorch's fused CPU kernel takes them without copies (3-D falls to math).
+            qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)[None]
+            kb = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)[None]
+            vb = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)[None]
+            if g > 1:
+                kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+            lq, lk = qb.shape[2], kb.shape[2]
+            causal = wl.causal and lq == lk
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=masks.get((lq, lk)), is_causal=causal)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    return run, {}
+
+
+def padded_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+    """Pad to ``(B, H, Lmax, D)`` and call SDPA once with a boolean mask (padding + causal)."""
+    b, lq_max, lk_max = len(wl.lens_q), max(wl.lens_q), max(wl.lens_k)
+    need = b * wl.heads_q * lq_max * lk_max * 4 * 3
+    if need > 8 * 2**30:
+        raise Unsupported(f"the padded score matrices would need {need / 2**30:.0f} GiB")
+    g = wl.heads_q // wl.heads_kv
+    lens_q, lens_k = torch.tensor(wl.lens_q), torch.tensor(wl.lens_k)
+    i, j = torch.arange(lq_max), torch.arange(lk_max)
+    q_idx = (torch.tensor(wl.cu_q[:-1])[:, None] + i).clamp(max=max(q.shape[0] - 1, 0))
+    k_idx = (torch.tensor(wl.cu_k[:-1])[:, None] + j).clamp(max=max(k.shape[0] - 1, 0))
+    q_ok = i[None, :] < lens_q[:, None]
+    mask = (j[None, None, :] < lens_k[:, None, None]).expand(b, lq_max, lk_max)
+    if wl.causal:
+        mask = mask & (j[None, None, :] <= i[None, :, None] + (lens_k - lens_q)[:, None, None])
+    mask = mask[:, None]
+
+    def run() -> torch.Tensor:
+        qp = q[q_idx].transpose(1, 2)
+        kp = k[k_idx].transpose(1, 2)
+        vp = v[k_idx].transpose(1, 2)
+        if g > 1:
+            kp, vp = kp.repeat_interleave(g, 1), vp.repeat_interleave(g, 1)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
+        return o.transpose(1, 2)[q_ok]
+
+    return run, {}
+
+
+def nested_jagged_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+    """SDPA on nested jagged tensors (``torch.nested``, layout=torch.jagged)."""
+    if wl.causal:
+        raise Unsupported("SDPA on nested jagged tensors rejects is_causal=True")
+    g = wl.heads_q // wl.heads_kv
+    off_q, off_k = torch.tensor(wl.cu_q), torch.tensor(wl.cu_k)
+
+    def run() -> torch.Tensor:
+        kk, vv = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
+        nq = torch.nested.nested_tensor_from_jagged(q, off_q).transpose(1, 2)
+        nk = torch.nested.nested_tensor_from_jagged(kk, off_k).transpose(1, 2)
+        nv = torch.nested.nested_tensor_from_jagged(vv, off_k).transpose(1, 2)
+        return F.scaled_dot_product_attention(nq, nk, nv).transpose(1, 2).values()
+
+    try:
+        run()
+    except Exception as e:
+        raise Unsupported(f"{type(e).__name__}: {str(e).splitlines()[0][:120]}") from None
+    return run, {}
+
+
+def flex_attention(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+    """Compiled FlexAttention with a document ``BlockMask`` over the packed batch (B=1)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    except ImportError as e:
+        raise Unsupported(f"torch {torch.__version__} has no FlexAttention ({e})") from None
+    doc_q = torch.repeat_interleave(torch.arange(len(wl.lens_q)), torch.tensor(wl.lens_q))
+    doc_k = torch.repeat_interleave(torch.arange(len(wl.lens_k)), torch.tensor(wl.lens_k))
+    start_q, start_k = torch.tensor(wl.cu_q[:-1]), torch.tensor(wl.cu_k[:-1])
+    shift = torch.tensor(wl.lens_k) - torch.tensor(wl.lens_q)
+    causal = wl.causal
+
+    def document(b, h, qi, kj):
+        same = doc_q[qi] == doc_k[kj]
+        if not causal:
+            return same
+        d = doc_q[qi]
+        return same & (kj - start_k[d] <= qi - start_q[d] + shift[d])
+
+    t0 = time.perf_counter()
+    try:
+        block_mask = create_block_mask(document, None, None, q.shape[0], k.shape[0], device="cpu")
+    except Exception as e:
+        raise Unsupported(f"create_block_mask failed: {type(e).__name__}: {str(e)[:120]}") from None
+    t_mask = time.perf_counter() - t0
+    compiled = torch.compile(flex, dynamic=False)
+    gqa = wl.heads_q != wl.heads_kv
+
+    def run() -> torch.Tensor:
+        o = compiled(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=block_mask,
+            enable_gqa=gqa,
+        )
+        return o[0].transpose(0, 1)
+
+    t0 = time.perf_counter()
+    try:
+        run()
+    except Exception as e:
+        raise Unsupported(f"compile/run failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}") from None
+    return run, {"mask_s": t_mask, "compile_s": time.perf_counter() - t0}
+
+
+def packattn_backend(name: str | None):
+    def prepare(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+        cu_q, cu_k = torch.tensor(wl.cu_q, dtype=torch.int32), torch.tensor(wl.cu_k, dtype=torch.int32)
+        host_q, host_k = wl.cu_q, wl.cu_k
+
+        def run() -> torch.Tensor:
+            return packattn.varlen_attention(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                cu_seqlens_q_host=host_q,
+                cu_seqlens_k_host=host_k,
+                causal=wl.causal,
+                backend=name,
+            )
+
+        return run, {}
+
+    return prepare
+
+
+# Name -> (prepare, is an external peer). packattn's own reference is timed for context, not as a peer.
+IMPLEMENTATIONS = {
+    "packattn": (packattn_backend(None), False),
+    "per-seq SDPA": (per_sequence_sdpa, True),
+    "padded SDPA": (padded_sdpa, True),
+    "flex (compiled)": (flex_attention, True),
+    "nested SDPA": (nested_jagged_sdpa, True),
+    "packattn reference": (packattn_backend("reference"), False),
+}

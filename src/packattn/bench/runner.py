@@ -1,0 +1,264 @@
+"""``packattn bench``: time packattn and its peers in one run, after checking each against the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..testing import assert_close_to_oracle, attention_naive
+from .peers import IMPLEMENTATIONS, Unsupported
+from .workloads import Workload, workloads
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Row:
+    workload: str
+    dtype: str
+    impl: str
+    status: str = "ok"  # "ok", "skipped: why", or "WRONG: why"
+    max_error: float | None = None
+    allowed_error: float | None = None
+    median_ms: float | None = None
+    gflops: float | None = None
+    vs_best_peer: float | None = None
+    vs_mm_ceiling: float | None = None
+    peak_extra_mib: float | None = None
+    setup: dict = field(default_factory=dict)
+
+
+def median_time(fn, min_time: float, max_reps: int = 25) -> float:
+    fn()  # warm-up
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def mm_ceiling(min_time: float) -> float:
+    """GFLOP/s of a 2048^3 fp32 ``torch.mm`` in this process, now."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / median_time(lambda: a @ b, min_time) / 1e9
+
+
+def peak_extra_mib(fn, out_bytes: int) -> float:
+    """Peak bytes the call allocates beyond its output, from the profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    # The profiler's C++ side logs its start and stop on stderr: keep that out of the progress output.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for e in events:
+        current += e.cpu_memory_usage
+        peak = max(peak, current)
+    return max(0, peak - out_bytes) / 2**20
+
+
+def machine_busy(seconds: float = 0.5) -> float:
+    """Fraction of all CPU time spent busy by anything while this process sleeps (Linux only)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + vals[4]
+        return sum(vals) - idle, sum(vals)
+
+    try:
+        b0, t0 = sample()
+        time.sleep(seconds)
+        b1, t1 = sample()
+    except OSError:
+        return 0.0
+    return (b1 - b0) / max(1, t1 - t0)
+
+
+def sampled_rows(wl: Workload, per_seq: int = 6) -> list[int]:
+    rows = []
+    for start, lq in zip(wl.cu_q, wl.lens_q):
+        picks = {0, lq - 1} | {round(i * (lq - 1) / max(1, per_seq - 1)) for i in range(per_seq)}
+        rows += [start + i for i in sorted(picks) if 0 <= i < lq]
+    return rows
+
+
+def oracle_on_rows(wl: Workload, q, k, v, rows: list[int]):
+    """Float64 oracle and plain PyTorch (in q's dtype) for a sample of query rows of every sequence.
+
+    Each sampled row becomes a one-query sequence whose keys are those it may see, so the naive oracle
+    never builds full score matrices."""
+    sel_q, cu_q, cu_k, key_rows = [], [0], [0], []
+    for b, (qs, lq, ks, lk) in enumerate(zip(wl.cu_q, wl.lens_q, wl.cu_k, wl.lens_k)):
+        for r in rows:
+            if qs <= r < qs + lq:
+                i = r - qs
+                hi = lk if not wl.causal else max(0, min(lk, i + lk - lq + 1))
+                sel_q.append(r)
+                key_rows.append(torch.arange(ks, ks + hi))
+                cu_q.append(cu_q[-1] + 1)
+                cu_k.append(cu_k[-1] + hi)
+        del b
+    kidx = torch.cat(key_rows)
+    args = (q[sel_q], k[kidx], v[kidx], cu_q, cu_k)
+    ref, _ = attention_naive(*args, dtype=torch.float64)
+    plain, _ = attention_naive(*args)
+    return ref, plain
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[Row], ceiling: float) -> None:
+    head = f"{'workload':<9}{'dtype':<6}{'impl':<20}{'max err':>9}{'ms':>10}{'GFLOP/s':>9}{'vs best peer':>13}"
+    head += f"{'vs mm':>7}{'extra MiB':>10}  note"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        note = "" if r.status == "ok" else r.status
+        if r.setup:
+            note += " ".join(f"{k}={v:.1f}" for k, v in r.setup.items())
+        print(
+            f"{r.workload:<9}{r.dtype:<6}{r.impl:<20}{_fmt(r.max_error, '.1e'):>9}{_fmt(r.median_ms, '.1f'):>10}"
+            f"{_fmt(r.gflops, '.1f'):>9}{_fmt(r.vs_best_peer, '.2f'):>13}{_fmt(r.vs_mm_ceiling, '.2f'):>7}"
+            f"{_fmt(r.peak_extra_mib, '.0f'):>10}  {note}"
+        )
+    print(f"torch.mm fp32 ceiling in this run: {ceiling:.1f} GFLOP/s")
+
+
+class Progress:
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = width * self.done // self.total
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write("\r" + line[:100].ljust(100))
+            if self.done == self.total:
+                sys.stderr.write("\n")
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def bench_one(wl: Workload, dtype: str, impl: str, min_time: float, ceiling: float) -> Row:
+    row = Row(wl.name, dtype, impl)
+    prepare, _ = IMPLEMENTATIONS[impl]
+    q, k, v = wl.tensors(DTYPES[dtype])
+    try:
+        run, row.setup = prepare(wl, q, k, v)
+    except Unsupported as e:
+        row.status = f"skipped: {e}"
+        return row
+    out = run()
+    rows = sampled_rows(wl)
+    ref, plain = oracle_on_rows(wl, q, k, v, rows)
+    try:
+        err = assert_close_to_oracle(out[rows], ref, plain, name=impl)
+        row.max_error, row.allowed_error = err.actual, err.allowed
+    except AssertionError as e:
+        row.status = f"WRONG: {e}"
+        return row
+    sec = median_time(run, min_time)
+    row.median_ms = sec * 1e3
+    row.gflops = wl.flops() / sec / 1e9
+    row.vs_mm_ceiling = row.gflops / ceiling
+    row.peak_extra_mib = peak_extra_mib(run, out.numel() * out.element_size())
+    return row
+
+
+def run_suite(
+    *, quick: bool, names: list[str] | None, dtypes: list[str], impls: list[str], min_time: float
+) -> tuple[list[Row], dict]:
+    chosen = [w for w in workloads(quick) if not names or w.name in names]
+    busy = machine_busy()
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "quick": quick,
+        "busy_before": busy,
+        "workloads": {w.name: f"{w.title}: {w.describe()}" for w in chosen},
+    }
+    print(
+        f"packattn bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{'quick' if quick else 'full'} run"
+    )
+    if busy > 0.15:
+        print(f"WARNING: other work keeps the CPUs {busy:.0%} busy; timings (and ratios) may be distorted")
+    ceiling = mm_ceiling(min_time)
+    meta["mm_ceiling_gflops"] = ceiling
+    for w in chosen:
+        print(f"  {w.name} {w.title}: {w.describe()}")
+    progress = Progress(len(chosen) * len(dtypes) * len(impls))
+    rows: list[Row] = []
+    for w in chosen:
+        for dt in dtypes:
+            group = []
+            for impl in impls:
+                group.append(bench_one(w, dt, impl, min_time, ceiling))
+                progress.step(f"{w.name} {dt} {impl}")
+            peers = [r.median_ms for r in group if r.median_ms and IMPLEMENTATIONS[r.impl][1]]
+            for r in group:
+                if peers and r.median_ms:
+                    r.vs_best_peer = min(peers) / r.median_ms
+            rows += group
+    busy_after = machine_busy()
+    meta["busy_after"] = busy_after
+    print_table(rows, ceiling)
+    if busy_after > 0.15:
+        print(f"WARNING: other work kept the CPUs {busy_after:.0%} busy at the end of the run")
+    return rows, meta
+
+
+def write_json(path: str, rows: list[Row], meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def write_plot(path: str, rows: list[Row]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'packattn[plot]'") from None
+    dtypes = sorted({r.dtype for r in rows})
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    names = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(10, 3.5 * len(dtypes)), squeeze=False)
+    width = 0.8 / len(impls)
+    for ax, dt in zip(axes[:, 0], dtypes):
+        for n, impl in enumerate(impls):
+            vals = [
+                next((r.gflops or 0 for r in rows if r.workload == w and r.dtype == dt and r.impl == impl), 0)
+                for w in names
+            ]
+            ax.bar([i + n * width for i in range(len(names))], vals, width, label=impl)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+        ax.set_ylabel(f"GFLOP/s ({dt})")
+    axes[0, 0].legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

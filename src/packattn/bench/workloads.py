@@ -1,0 +1,86 @@
+"""The benchmark workloads: seeded packed batches that stand for real runtimes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    lens_q: tuple[int, ...]
+    lens_k: tuple[int, ...]
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def cu_q(self) -> list[int]:
+        return _offsets(self.lens_q)
+
+    @property
+    def cu_k(self) -> list[int]:
+        return _offsets(self.lens_k)
+
+    def visible_pairs(self) -> int:
+        total = 0
+        for lq, lk in zip(self.lens_q, self.lens_k):
+            if not self.causal:
+                total += lq * lk
+                continue
+            off = lk - lq
+            # Row i sees keys 0 .. min(lk - 1, i + off).
+            total += sum(max(0, min(lk, i + off + 1)) for i in range(lq))
+        return total
+
+    def flops(self) -> int:
+        """``4 * D * Hq * visible (q, k) pairs`` (two matmuls of 2 flops per multiply-add)."""
+        return 4 * self.head_dim * self.heads_q * self.visible_pairs()
+
+    def describe(self) -> str:
+        b = len(self.lens_q)
+        heads = f"{self.heads_q}" if self.heads_q == self.heads_kv else f"{self.heads_q}/{self.heads_kv}"
+        return (
+            f"{b} seqs, {sum(self.lens_q)} q / {sum(self.lens_k)} k tokens, heads {heads}, "
+            f"D={self.head_dim}, {'causal' if self.causal else 'non-causal'}"
+        )
+
+    def tensors(self, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        tq, tk = sum(self.lens_q), sum(self.lens_k)
+        q = torch.randn(tq, self.heads_q, self.head_dim, generator=gen).to(dtype)
+        k = torch.randn(tk, self.heads_kv, self.head_dim, generator=gen).to(dtype)
+        v = torch.randn(tk, self.heads_kv, self.head_dim, generator=gen).to(dtype)
+        return q, k, v
+
+
+def _offsets(lens: tuple[int, ...]) -> list[int]:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _uniform(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(lo, hi + 1, (n,), generator=gen).tolist())
+
+
+def workloads(quick: bool = False) -> list[Workload]:
+    """W1-W6; ``quick`` shrinks every workload (same shapes of problem, less work) for a short run."""
+    s = 4 if quick else 1
+    w2 = _uniform(32 // s, 16, 1024, seed=2)
+    w3 = _uniform(512 // s, 1, 64, seed=3)
+    w6 = _uniform(64 // s, 512, 4096, seed=6)
+    return [
+        Workload("W1", "video diffusion", (4096 // s,) * 2, (4096 // s,) * 2, 24, 24, 128, False),
+        Workload("W2", "mixed prefill", w2, w2, 32, 8, 128, True),
+        Workload("W3", "many short", w3, w3, 16, 16, 64, False),
+        Workload("W4", "cross-attention", (1024 // s,) * 4, (77,) * 4, 16, 16, 64, False),
+        Workload("W5", "long causal", (16384 // s,), (16384 // s,), 16, 16, 128, True),
+        Workload("W6", "GQA decode", (1,) * len(w6), w6, 32, 8, 128, True),
+    ]
