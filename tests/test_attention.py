@@ -117,15 +117,37 @@ def test_backward_matches_oracle(backend, mask, dtype):
     check_backward(backend, case, with_lse=with_lse, **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap"])
-def test_gradcheck_float64(backend, mask):
-    case = make_case([3, 0, 4, 2], [4, 2, 4, 0], hq=2, hkv=1, d=4, dv=3, dtype=torch.float64, seed=11)
+@pytest.mark.parametrize("dv", [4, 3], ids=["dv_eq_d", "dv_ne_d"])
+def test_gradcheck_float64(backend, mask, dv):
+    case = make_case([3, 0, 4, 2], [4, 2, 4, 0], hq=2, hkv=1, d=4, dv=dv, dtype=torch.float64, seed=11)
+    if backend_reasons(backend, case, False, **MASKS[mask]):
+        pytest.skip(f"{backend} does not run this mask (its refusal is tested in test_patterns_fp32)")
+    with_lse = not backend_reasons(backend, case, True, **MASKS[mask])
     cu_q, cu_k = case.tensors()
     leaves = tuple(t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v))
 
     def f(q, k, v):
-        out, lse = packattn.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **MASKS[mask])
-        return out, lse.nan_to_num(0.0, 0.0, 0.0)
+        res = packattn.varlen_attention(q, k, v, cu_q, cu_k, return_lse=with_lse, backend=backend, **MASKS[mask])
+        return (res[0], res[1].nan_to_num(0.0, 0.0, 0.0)) if with_lse else res
 
     assert torch.autograd.gradcheck(f, leaves)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_memory_grows_linearly_without_score_matrices(backend):
+    """Peak memory beyond the output, for one long sequence: no (L, L) score matrix, linear growth."""
+    from packattn.bench.runner import peak_extra_mib
+
+    peaks = {}
+    for length in (2048, 4096):
+        case = make_case([length], [length], hq=4, hkv=4, d=32, seed=2)
+        cu_q, cu_k = case.tensors()
+        out_bytes = length * 4 * 32 * 4
+        peaks[length] = peak_extra_mib(
+            lambda c=case, a=cu_q, b=cu_k: packattn.varlen_attention(c.q, c.k, c.v, a, b, backend=backend), out_bytes
+        )
+    scores_mib = 4 * 4096 * 4096 * 4 / 2**20  # one fp32 score matrix for all heads: 256 MiB
+    assert peaks[4096] < scores_mib / 8, peaks
+    assert peaks[4096] < 2.5 * max(peaks[2048], 1.0), peaks

@@ -103,6 +103,8 @@ def _check_cu(cu: object, name: str, where: str) -> torch.Tensor:
 
 def _host_offsets(cu: torch.Tensor, host: Sequence[int] | None, name: str, where: str) -> tuple[int, ...]:
     if host is None:
+        if cu.device.type == "meta":
+            raise ValueError(f"{where}: {name} is on the meta device and holds no values; pass {name}_host")
         return tuple(int(x) for x in cu.tolist())
     if isinstance(host, torch.Tensor):
         raise TypeError(f"{where}: {name}_host must be a list/tuple of Python ints, got a torch.Tensor")

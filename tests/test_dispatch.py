@@ -1,0 +1,230 @@
+"""Backend registry, dispatch and its "why not" errors, ``packattn.info()`` and ``python -m packattn info``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import packattn
+from packattn import cli, dispatch
+from packattn.backends import ALL
+from packattn.inputs import AttentionInputs, check_mask
+from packattn.layout import SeqLayout
+from packattn.testing import assert_close_to_oracle, attention_naive, oracle
+
+from .helpers import Case, backend_reasons, make_case
+
+
+def fake_backend(name: str, *, missing: str | None = None, refuse: list[str] | None = None) -> SimpleNamespace:
+    """A backend that is not installed (``missing``) or refuses every input (``refuse``); it never runs."""
+
+    def forward(inp: AttentionInputs) -> None:
+        raise AssertionError(f"{name} ran")
+
+    return SimpleNamespace(
+        NAME=name,
+        NATIVE_AUTOGRAD=False,
+        unavailable_reason=lambda: missing,
+        supports=lambda inp: list(refuse or []),
+        forward=forward,
+    )
+
+
+NOT_INSTALLED = fake_backend("fake_npu", missing="torch_npu is not installed")
+REFUSES = fake_backend("fake_gpu", refuse=["the inputs are on cpu, not on a GPU", "head_dim=16 is too small"])
+
+
+@pytest.fixture
+def fakes_first(monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
+    """Registry with two backends that cannot run ahead of the real ones."""
+    backends = (NOT_INSTALLED, REFUSES, *ALL)
+    monkeypatch.setattr(dispatch, "ALL", backends)
+    monkeypatch.setattr(dispatch, "BACKENDS", {b.NAME: b for b in backends})
+    return backends
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the real backends that dispatch ran, in order (not counting one backend calling another)."""
+    calls: list[str] = []
+    depth = [0]
+    for backend in ALL:
+
+        def spy(inp, _backend=backend, _forward=backend.forward):
+            if depth[0] == 0:
+                calls.append(_backend.NAME)
+            depth[0] += 1
+            try:
+                return _forward(inp)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(backend, "forward", spy)
+    return calls
+
+
+def case_inputs(case: Case, return_lse: bool = False, **mask: object) -> AttentionInputs:
+    options = {"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0, **mask}
+    spec = check_mask(case.q, where="test", **options)
+    layout = SeqLayout.build(*case.tensors(), case.q.shape[0], case.k.shape[0])
+    return AttentionInputs(case.q, case.k, case.v, layout, spec, return_lse)
+
+
+CASE = make_case([5, 0, 7], [9, 8, 8], hq=4, hkv=2, d=16, dv=8)
+
+
+def run(case: Case = CASE, **kwargs: object) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return packattn.varlen_attention(case.q, case.k, case.v, *case.tensors(), **kwargs)
+
+
+# info ---------------------------------------------------------------------------------------------------
+
+
+def test_info_lists_every_backend_in_priority_order():
+    rows = packattn.info()
+    assert [r.name for r in rows] == [b.NAME for b in ALL]
+    assert sorted(r.name for r in rows) == sorted(dispatch.BACKENDS)
+    for row, backend in zip(rows, ALL, strict=True):
+        assert isinstance(row, packattn.BackendInfo)
+        assert row.available is (backend.unavailable_reason() is None)
+        assert row.reason == backend.unavailable_reason()
+    by_name = {r.name: r for r in rows}
+    assert by_name["reference"].available and by_name["sdpa"].available
+
+
+def test_info_explains_unavailable_backends(fakes_first):
+    rows = {r.name: r for r in packattn.info()}
+    assert rows["fake_npu"] == packattn.BackendInfo("fake_npu", False, "torch_npu is not installed")
+    assert rows["fake_gpu"].available and rows["fake_gpu"].reason is None
+    assert list(rows) == [b.NAME for b in fakes_first]
+
+
+def test_cli_info_prints_every_backend(fakes_first, capsys):
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"packattn on torch {torch.__version__}")
+    states = [line.split(maxsplit=1) for line in lines[1:]]
+    assert [name for name, _ in states] == [b.NAME for b in fakes_first]
+    assert states[0][1] == "unavailable: torch_npu is not installed"
+    rows = {r.name: r for r in packattn.info()}
+    for name, state in states:
+        assert state == ("available" if rows[name].available else f"unavailable: {rows[name].reason}")
+
+
+def test_python_m_packattn_info():
+    res = subprocess.run(
+        [sys.executable, "-m", "packattn", "info"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("packattn on torch ")
+    states = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines[1:]}
+    assert list(states) == [b.NAME for b in ALL]
+    for row in packattn.info():
+        assert states[row.name] == ("available" if row.available else f"unavailable: {row.reason}")
+
+
+# default dispatch --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out_and_lse"])
+@pytest.mark.parametrize(
+    "mask",
+    [{}, {"causal": True}, {"softcap": 4.0}, {"window_size": (3, 1)}],
+    ids=["full", "causal", "softcap", "window"],
+)
+def test_default_dispatch_picks_first_backend_that_can_run(mask, return_lse, ran):
+    chosen = dispatch.select(case_inputs(CASE, return_lse, **mask), None, "test")
+    assert chosen.unavailable_reason() is None
+    assert backend_reasons(chosen.NAME, CASE, return_lse, **mask) == []
+    for earlier in ALL[: ALL.index(chosen)]:
+        assert backend_reasons(earlier.NAME, CASE, return_lse, **mask)
+    res = run(return_lse=return_lse, **mask)
+    assert ran == [chosen.NAME]
+    out = res[0] if return_lse else res
+    ref_out, _ = oracle(CASE.q, CASE.k, CASE.v, CASE.cu_q, CASE.cu_k, **mask)
+    pt_out, _ = attention_naive(CASE.q, CASE.k, CASE.v, CASE.cu_q, CASE.cu_k, **mask)
+    assert_close_to_oracle(out, ref_out, pt_out)
+
+
+def test_default_dispatch_skips_backends_that_cannot_run(fakes_first, ran):
+    plain = dispatch.select(case_inputs(CASE), None, "test")
+    assert plain is next(b for b in ALL if not backend_reasons(b.NAME, CASE, False))
+    with_lse = dispatch.select(case_inputs(CASE, True), None, "test")
+    assert with_lse is next(b for b in ALL if not backend_reasons(b.NAME, CASE, True))
+    run()
+    assert ran == [plain.NAME]
+
+
+def test_no_backend_can_run_lists_every_backend_and_why(monkeypatch):
+    backends = (NOT_INSTALLED, REFUSES, *ALL)
+    monkeypatch.setattr(dispatch, "ALL", backends)
+    for backend in ALL:
+        monkeypatch.setattr(backend, "supports", lambda inp, _n=backend.NAME: [f"{_n} refuses for this test"])
+    with pytest.raises(ValueError) as info:
+        run(causal=True)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "varlen_attention: no backend can run these inputs:"
+    expected = [
+        "  fake_npu: torch_npu is not installed",
+        "  fake_gpu: the inputs are on cpu, not on a GPU; head_dim=16 is too small",
+        *[f"  {b.NAME}: {b.unavailable_reason() or f'{b.NAME} refuses for this test'}" for b in ALL],
+    ]
+    assert lines[1:] == expected
+
+
+# explicit backend ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(dispatch.BACKENDS))
+def test_explicit_backend_is_never_replaced(name, ran):
+    why = backend_reasons(name, CASE, False, causal=True)
+    if why:
+        with pytest.raises(ValueError, match=f"backend={name!r} cannot run these inputs"):
+            run(backend=name, causal=True)
+        assert ran == []
+    else:
+        res = run(backend=name, causal=True)
+        assert ran == [name]
+        assert res.shape == (CASE.q.shape[0], 4, 8)
+
+
+def test_explicit_backend_that_cannot_run_raises_with_its_reasons(ran):
+    with pytest.raises(ValueError) as info:
+        run(backend="sdpa", softcap=5.0, return_lse=True)
+    message = str(info.value)
+    why = backend_reasons("sdpa", CASE, True, softcap=5.0)
+    assert len(why) == 2
+    assert message == "varlen_attention: backend='sdpa' cannot run these inputs: " + "; ".join(why)
+    assert ran == []
+
+
+def test_explicit_unavailable_backend_raises_instead_of_falling_back(monkeypatch, ran):
+    monkeypatch.setattr(dispatch.BACKENDS["sdpa"], "unavailable_reason", lambda: "sdpa is disabled for this test")
+    with pytest.raises(ValueError, match=r"backend='sdpa' cannot run these inputs: sdpa is disabled for this test$"):
+        run(backend="sdpa")
+    assert ran == []
+
+
+def test_explicit_fake_backend_raises_with_its_reasons(fakes_first):
+    with pytest.raises(ValueError) as info:
+        run(backend="fake_gpu")
+    assert str(info.value) == (
+        "varlen_attention: backend='fake_gpu' cannot run these inputs: "
+        "the inputs are on cpu, not on a GPU; head_dim=16 is too small"
+    )
+    with pytest.raises(ValueError, match=r"backend='fake_npu' cannot run these inputs: torch_npu is not installed$"):
+        run(backend="fake_npu")
+
+
+def test_explicit_backend_is_kept_for_gradients(ran):
+    leaves = [t.detach().clone().requires_grad_() for t in (CASE.q, CASE.k, CASE.v)]
+    grad_case = Case(*leaves, CASE.cu_q, CASE.cu_k)
+    out = run(grad_case, backend="reference", causal=True)
+    out.sum().backward()
+    assert ran == ["reference"]
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
