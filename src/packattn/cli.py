@@ -21,6 +21,10 @@ def _info() -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.distributed:
+        from .bench import distributed
+
+        return distributed.main(["--world-size", str(args.world_size)] + (["--forward-only"] if args.quick else []))
     from .bench.peers import IMPLEMENTATIONS
     from .bench.runner import run_suite, write_json, write_plot
 
@@ -62,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--threads", type=int, help="torch.set_num_threads before timing")
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    b.add_argument(
+        "--distributed", action="store_true", help="ring and Ulysses overhead vs one process (spawns gloo processes)"
+    )
+    b.add_argument("--world-size", type=int, default=2, help="processes for --distributed (default 2)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()

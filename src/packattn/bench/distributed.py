@@ -1,0 +1,198 @@
+"""Sequence-parallel overhead: ring and Ulysses attention against one process doing the same work.
+
+Each of ``W`` processes runs with 1 thread (gloo on CPU), so ``W`` processes together have ``W`` times the
+compute of the single-process baseline, :func:`packattn.varlen_attention` at 1 thread on the whole batch.
+The reported **overhead** is ``W * t_parallel / t_single``: the process-seconds spent per unit of work,
+relative to one process. 1.0 is perfect scaling; above that is the price of communication, merging,
+per-block dispatch and load imbalance. ``t_parallel`` is the slowest rank's time, median over repeats.
+
+Launch with torchrun (one process per rank; ``--nproc_per_node`` sets the world size)::
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m packattn.bench.distributed
+
+or let it spawn its own gloo processes on this machine::
+
+    python -m packattn.bench.distributed --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..api import varlen_attention
+from ..distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
+from ..distributed.plan import Balance
+
+DEFAULT_LENGTHS = (2048, 1024, 768, 512, 256, 128)
+
+
+@dataclass(frozen=True)
+class Setting:
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    heads_q: int = 8
+    heads_kv: int = 2
+    head_dim: int = 64
+    causal: bool = True
+    balance: Balance = "zigzag"
+    backward: bool = True
+    repeats: int = 5
+
+    def describe(self) -> str:
+        kind = "causal" if self.causal else "non-causal"
+        return (
+            f"{len(self.lengths)} seqs, {sum(self.lengths)} tokens, heads {self.heads_q}/{self.heads_kv}, "
+            f"D={self.head_dim}, {kind}, fp32, {self.balance}, {'fwd+bwd' if self.backward else 'fwd'}"
+        )
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    world_size: int
+    median_ms: float
+    overhead: float  # world_size * median_ms / single-process median_ms
+
+
+def _tensors(s: Setting) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    cu = [0]
+    for n in s.lengths:
+        cu.append(cu[-1] + n)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(cu[-1], s.heads_q, s.head_dim, generator=gen)
+    k = torch.randn(cu[-1], s.heads_kv, s.head_dim, generator=gen)
+    v = torch.randn(cu[-1], s.heads_kv, s.head_dim, generator=gen)
+    return cu, q, k, v
+
+
+def _step(
+    fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], backward: bool, **kw: Any
+) -> Callable[[], None]:
+    leaves = [a.detach().requires_grad_(backward) for a in args]
+
+    def run() -> None:
+        out = fn(*leaves, **kw)
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    return run
+
+
+def _time(run: Callable[[], None], repeats: int, *, together: bool) -> float:
+    """Median over ``repeats`` of the time in ms; ``together``: every rank starts each repeat at a barrier
+    and the slowest rank's time counts."""
+    run()  # warm-up: plans, caches, allocator
+    times = []
+    for _ in range(repeats):
+        if together:
+            dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        if together:
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(float(dt))
+    return 1e3 * statistics.median(times)
+
+
+def measure(s: Setting) -> list[Result]:
+    """Run on every rank of the initialised default group; returns the same results on every rank."""
+    torch.set_num_threads(1)
+    w, rank = dist.get_world_size(), dist.get_rank()
+    cu, q, k, v = _tensors(s)
+    single = torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        run = _step(varlen_attention, (q, k, v), s.backward, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, causal=s.causal)
+        single[0] = _time(run, s.repeats, together=False)
+    dist.broadcast(single, 0)
+    t_single = float(single[0])
+    results = [Result("varlen_attention, 1 process", 1, t_single, 1.0)]
+    plan = ShardPlan.build(cu, cu, world_size=w, rank=rank, balance=s.balance)
+    local = (plan.shard_q(q), plan.shard_k(k), plan.shard_k(v))
+    for name, fn in (("ring", ring_varlen_attention), ("ulysses", ulysses_varlen_attention)):
+        run = _step(fn, local, s.backward, plan=plan, causal=s.causal)
+        t = _time(run, s.repeats, together=True)
+        results.append(Result(f"{name}_varlen_attention", w, t, w * t / t_single))
+    return results
+
+
+def report(s: Setting, results: list[Result]) -> str:
+    lines = [f"packattn sequence parallel, gloo, 1 thread per process, torch {torch.__version__}: {s.describe()}"]
+    lines.append(f"{'implementation':<30}{'ranks':>6}{'median ms':>12}{'speedup':>9}{'overhead':>10}")
+    base = results[0].median_ms
+    for r in results:
+        lines.append(f"{r.name:<30}{r.world_size:>6}{r.median_ms:>12.1f}{base / r.median_ms:>9.2f}{r.overhead:>10.2f}")
+    lines.append("overhead = ranks * median / single-process median (1.00 = perfect scaling)")
+    return "\n".join(lines)
+
+
+def _spawned(rank: int, world_size: int, port: int, s: Setting, out: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        results = measure(s)
+        if rank == 0:
+            out.put([asdict(r) for r in results])
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(s: Setting, world_size: int) -> list[Result]:
+    """Spawn ``world_size`` gloo processes on this machine and measure."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = ctx.SimpleQueue()
+    mp.start_processes(_spawned, args=(world_size, port, s, out), nprocs=world_size, start_method="spawn")
+    return [Result(**r) for r in out.get()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m packattn.bench.distributed", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2, help="processes to spawn when not under torchrun")
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="comma-separated sequence lengths")
+    p.add_argument("--heads", default="8/2", help="query/key-value heads, e.g. 8/2")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--balance", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    hq, hkv = (int(x) for x in a.heads.split("/"))
+    s = Setting(
+        tuple(int(x) for x in a.lengths.split(",")),
+        hq,
+        hkv,
+        a.head_dim,
+        not a.no_causal,
+        a.balance,
+        not a.forward_only,
+        a.repeats,
+    )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
+        try:
+            results = measure(s)
+            if dist.get_rank() == 0:
+                print(report(s, results))
+        finally:
+            dist.destroy_process_group()
+        return 0
+    print(report(s, run_spawned(s, a.world_size)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

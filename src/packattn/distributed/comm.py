@@ -1,0 +1,161 @@
+"""Process-group plumbing: group checks, ring hops, all-to-all and all-gather with autograd."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from .plan import ShardPlan, ranges_index
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A process group seen as a ring: this rank's place in it and its neighbours' global ranks."""
+
+    group: Any  # a ProcessGroup, or None for the default group
+    size: int
+    rank: int
+    next_peer: int  # global rank that receives from us
+    prev_peer: int  # global rank that sends to us
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> list[Any]:
+        """Post ``send`` to the next rank and ``recv`` from the previous one; returns the requests."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_peer, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_peer, self.group),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+
+def wait(requests: list[Any] | None) -> None:
+    for r in requests or ():
+        r.wait()
+
+
+def resolve_group(group: Any, plan: object, where: str) -> Ring:
+    """Check that torch.distributed is ready and that ``plan`` was built for this rank of ``group``."""
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"{where}: plan must be a ShardPlan (see ShardPlan.build), got {type(plan).__name__}")
+    if not dist.is_available():
+        raise RuntimeError(f"{where}: torch.distributed is not available in this PyTorch build")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{where}: the default process group is not initialised; call torch.distributed.init_process_group() "
+            "first (e.g. under torchrun)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{where}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{where}: this process (global rank {dist.get_rank()}) is not a member of group")
+    size = dist.get_world_size(group)
+    if plan.world_size != size:
+        raise ValueError(
+            f"{where}: plan was built for world_size={plan.world_size}, but the group has {size} ranks; "
+            "build the plan with world_size=dist.get_world_size(group)"
+        )
+    if plan.rank != rank:
+        raise ValueError(
+            f"{where}: plan was built for rank {plan.rank}, but this process is rank {rank} of the group; "
+            "build the plan with rank=dist.get_rank(group)"
+        )
+    world = cast(dist.ProcessGroup, group if group is not None else dist.group.WORLD)
+    nxt = dist.get_global_rank(world, (rank + 1) % size)
+    prv = dist.get_global_rank(world, (rank - 1) % size)
+    return Ring(group, size, rank, nxt, prv)
+
+
+def check_rows(x: torch.Tensor, expected: int, name: str, side: str, plan: ShardPlan, where: str) -> None:
+    if x.shape[0] != expected:
+        raise ValueError(
+            f"{where}: {name} must hold this rank's {expected} {side} rows (plan.local_{side} for rank "
+            f"{plan.rank}), got {x.shape[0]}; shard the global tensor with plan.shard_{side}"
+        )
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 with uneven splits; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` to rank ``p``; receive ``recv[p]`` rows from each."""
+    return _AllToAll.apply(x, send, recv, group)
+
+
+def rank_major_rows(plan: ShardPlan, side: str) -> torch.Tensor:
+    """Global row of each row of ``cat(local tensor of rank 0, of rank 1, ...)``."""
+    shards = plan.shards(side)
+    pieces = [p for s in shards for p in s.pieces]
+    return ranges_index([p.row for p in pieces], [p.length for p in pieces])
+
+
+def gather_order(plan: ShardPlan, side: str, stride: int | None = None) -> torch.Tensor:
+    """Index that puts rank-major rows back in global order.
+
+    With ``stride``, rank ``p``'s rows start at ``p * stride`` (an all-gather of padded shards); without,
+    they follow each other (an all-to-all of exact sizes).
+    """
+    shards = plan.shards(side)
+    if stride is None:
+        starts = [0]
+        for s in shards[:-1]:
+            starts.append(starts[-1] + s.total)
+    else:
+        starts = [p * stride for p in range(len(shards))]
+    src = ranges_index(
+        [starts[r] + p.local for r, s in enumerate(shards) for p in s.pieces],
+        [p.length for s in shards for p in s.pieces],
+    )
+    order = torch.empty_like(src)
+    order[rank_major_rows(plan, side)] = src
+    return order
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, plan: ShardPlan, side: str, group: Any) -> torch.Tensor:
+        ctx.plan, ctx.side, ctx.group = plan, side, group
+        stride = max(s.total for s in plan.shards(side))
+        padded = x.new_zeros((stride, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(plan.world_size)]
+        dist.all_gather(parts, padded, group=group)
+        order = gather_order(plan, side, stride).to(x.device)
+        return torch.cat(parts).index_select(0, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        select = ctx.plan.shard_q if ctx.side == "q" else ctx.plan.shard_k
+        return select(total), None, None, None
+
+
+def unshard(plan: ShardPlan, x: object, side: str, group: Any, where: str) -> torch.Tensor:
+    resolve_group(group, plan, where)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: x_local must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"{where}: x_local must have a row dimension, got a 0-d tensor")
+    expected = plan.local_q if side == "q" else plan.local_k
+    check_rows(x, expected, "x_local", side, plan, where)
+    return _Unshard.apply(x, plan, side, group)

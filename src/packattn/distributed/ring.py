@@ -1,0 +1,371 @@
+"""Ring attention: keys and values travel around the group, each rank keeps its queries.
+
+Forward: at step ``s`` rank ``r`` computes its queries against the keys of rank ``(r - s) % W`` (the
+calls of :mod:`.schedule`, masked pairs skipped) while the next hop is already in flight, and merges the
+partial results through their LSE in float32 (float64 for float64 inputs).
+
+Backward: a second ring. Keys and values travel again, and with them float32 accumulators of their
+gradients, one hop behind; each rank adds what its queries contribute, and after ``W`` hops every
+accumulator is back with its owner. Per call the backend's backward runs with the *final* output and
+LSE of the rows, so ``p = exp(s - lse_final)`` is each key's exact share (flash-attention's scheme).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal, cast, overload
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import dispatch
+from ..inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, compute_dtype
+from ..layout import SeqLayout
+from ..merge import merge_attention_states
+from .comm import Ring, check_rows, resolve_group, wait
+from .plan import ShardPlan, ranges_index
+from .schedule import Call, ring_schedule, windows
+
+__all__ = ["ring_varlen_attention"]
+
+
+def _index(ranges: Sequence[tuple[int, int]], total: int, device: torch.device) -> torch.Tensor | None:
+    """Row index of ``ranges`` (``None`` when together they are exactly ``[0, total)`` in order)."""
+    joined: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if joined and joined[-1][1] == a:
+            joined[-1] = (joined[-1][0], b)
+        else:
+            joined.append((a, b))
+    if joined == [(0, total)]:
+        return None
+    return ranges_index([a for a, _ in joined], [b - a for a, b in joined], device)
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    return x if idx is None else x.index_select(dim, idx)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A call of the schedule, ready to run: its row indices and offsets on the device."""
+
+    q_idx: torch.Tensor | None
+    k_idx: torch.Tensor | None
+    layout: SeqLayout
+    mask: MaskSpec
+    fresh: bool  # no earlier call wrote these rows: store the result instead of merging it
+
+
+@dataclass(frozen=True)
+class _Setup:
+    ring: Ring
+    plan: ShardPlan
+    steps: tuple[tuple[int, tuple[_Job, ...]], ...]  # (source rank, jobs) per step
+    backend: str | None
+    where: str
+
+    def kv_numel(self, source: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+        rows = self.plan.shards_k[source].total
+        return rows * k.shape[1] * k.shape[2], rows * v.shape[1] * v.shape[2]
+
+
+def _jobs(
+    plan: ShardPlan, mask: MaskSpec, source: int, calls: tuple[Call, ...], device: torch.device, written: list[bool]
+) -> tuple[_Job, ...]:
+    """Device-side form of one step's calls; ``written`` marks the local query rows that earlier calls wrote."""
+    jobs = []
+    for c in calls:
+        k_ranges = [r for ranges in c.k_rows for r in ranges]
+        cu_q, cu_k = c.cu_seqlens_q, c.cu_seqlens_k
+        layout = SeqLayout(
+            torch.tensor(cu_q, dtype=torch.int32, device=device),
+            torch.tensor(cu_k, dtype=torch.int32, device=device),
+            cu_q,
+            cu_k,
+        )
+        spec = MaskSpec(mask.scale, c.window[0], c.window[1], mask.softcap)
+        fresh = not any(written[i] for a, b in c.q_rows for i in range(a, b))
+        for a, b in c.q_rows:
+            written[a:b] = [True] * (b - a)
+        q_idx = _index(c.q_rows, plan.local_q, device)
+        k_idx = _index(k_ranges, plan.shards_k[source].total, device)
+        jobs.append(_Job(q_idx, k_idx, layout, spec, fresh))
+    return tuple(jobs)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, rows: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    nk = rows * k.shape[1] * k.shape[2]
+    return buf[:nk].view(rows, k.shape[1], k.shape[2]), buf[nk:].view(rows, v.shape[1], v.shape[2])
+
+
+def _inputs(job: _Job, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionInputs:
+    return AttentionInputs(_take(q, job.q_idx), _take(k, job.k_idx), _take(v, job.k_idx), job.layout, job.mask, True)
+
+
+def _select(setup: _Setup, inp: AttentionInputs) -> ModuleType:
+    return dispatch.select(inp, setup.backend, setup.where)
+
+
+def _forward(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cdt = compute_dtype(q.dtype)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=cdt, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=cdt, device=q.device)
+    buf = _pack(k, v)
+    for s, (source, jobs) in enumerate(setup.steps):
+        pending, nxt = None, None
+        if s + 1 < len(setup.steps):
+            nxt = buf.new_empty(sum(setup.kv_numel(setup.steps[s + 1][0], k, v)))
+            pending = setup.ring.shift(buf, nxt)  # in flight while this step computes
+        kb, vb = _unpack(buf, setup.plan.shards_k[source].total, k, v)
+        for job in jobs:
+            inp = _inputs(job, q, kb, vb)
+            o, l_ = _select(setup, inp).forward(inp)
+            if job.fresh:
+                merged, merged_lse = o.to(cdt), l_.to(cdt)
+            else:
+                merged, merged_lse = merge_attention_states(
+                    _take(out, job.q_idx), _take(lse, job.q_idx, 1), o.to(cdt), l_.to(cdt)
+                )
+            if job.q_idx is None:
+                out, lse = merged, merged_lse
+            else:
+                out.index_copy_(0, job.q_idx, merged)
+                lse.index_copy_(1, job.q_idx, merged_lse)
+        wait(pending)
+        if nxt is not None:
+            buf = nxt
+    return out.to(q.dtype), lse
+
+
+def _recompute_backward(
+    backend: ModuleType,
+    inp: AttentionInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """Block gradients for a backend that has only native autograd: recompute the block and feed it the
+    gradients that the final merge gives its output and LSE."""
+    leaves = [t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v)]
+    with torch.enable_grad():
+        o, l_ = backend.forward(AttentionInputs(leaves[0], leaves[1], leaves[2], inp.layout, inp.mask, True))
+        l_ = l_.to(lse.dtype)
+        # The final result is sum_b o_b * w_b with w_b = exp(lse_b - lse): d o_b = dout * w_b and
+        # d lse_b = w_b * (rowsum(dout * (o_b - out)) + dlse).
+        w = torch.exp(l_.detach() - lse.masked_fill(torch.isinf(lse), 0.0)).masked_fill(torch.isneginf(l_), 0.0)
+        d32 = dout.to(lse.dtype)
+        g_lse = (d32 * (o.detach().to(lse.dtype) - out.to(lse.dtype))).sum(-1).transpose(0, 1)
+        if dlse is not None:
+            g_lse = g_lse + dlse.to(lse.dtype)
+        g_out = d32 * w.transpose(0, 1)[..., None]
+        grads = torch.autograd.grad((o, l_), leaves, (g_out.to(o.dtype), g_lse * w), allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves, strict=True))
+
+
+def _block_backward(
+    setup: _Setup, inp: AttentionInputs, job: _Job, saved: tuple[torch.Tensor, ...], dlse: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    out, lse, dout = saved
+    backend = _select(setup, inp)
+    rows = (_take(out, job.q_idx), _take(lse, job.q_idx, 1), _take(dout, job.q_idx))
+    dlse_rows = None if dlse is None else _take(dlse, job.q_idx, 1)
+    if backend.NATIVE_AUTOGRAD:
+        return _recompute_backward(backend, inp, *rows, dlse_rows)
+    return backend.backward(inp, rows[0], rows[1], rows[2].contiguous(), dlse_rows)
+
+
+def _add_rows(acc: torch.Tensor, idx: torch.Tensor | None, x: torch.Tensor) -> None:
+    if idx is None:
+        acc += x.to(acc.dtype)
+    else:
+        acc.index_add_(0, idx, x.to(acc.dtype))
+
+
+def _backward(
+    setup: _Setup, saved: tuple[torch.Tensor, ...], dout: torch.Tensor, dlse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, out, lse = saved
+    cdt = compute_dtype(q.dtype)
+    steps, ring, plan = setup.steps, setup.ring, setup.plan
+    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    buf = _pack(k, v)
+    grad_pending, grad_in = None, None
+    for s, (source, jobs) in enumerate(steps):
+        kv_pending, nxt = None, None
+        if s + 1 < len(steps):
+            nxt = buf.new_empty(sum(setup.kv_numel(steps[s + 1][0], k, v)))
+            kv_pending = ring.shift(buf, nxt)
+        rows = plan.shards_k[source].total
+        kb, vb = _unpack(buf, rows, k, v)
+        grad = torch.zeros(sum(setup.kv_numel(source, k, v)), dtype=cdt, device=q.device)
+        dkb, dvb = _unpack(grad, rows, k, v)
+        for job in jobs:
+            inp = _inputs(job, q, kb, vb)
+            dq_j, dk_j, dv_j = _block_backward(setup, inp, job, (out, lse, dout), dlse)
+            _add_rows(dq, job.q_idx, dq_j)
+            _add_rows(dkb, job.k_idx, dk_j)
+            _add_rows(dvb, job.k_idx, dv_j)
+        wait(grad_pending)
+        if grad_in is not None:
+            grad += grad_in  # what the ranks before us added to these keys
+        if ring.size > 1:
+            # Pass the accumulator on and take the next one; after the last step it is our own, complete.
+            after = steps[s + 1][0] if s + 1 < len(steps) else plan.rank
+            grad_in = grad.new_empty(sum(setup.kv_numel(after, k, v)))
+            grad_pending = ring.shift(grad, grad_in)
+        else:
+            grad_in = grad
+        wait(kv_pending)
+        if nxt is not None:
+            buf = nxt
+    wait(grad_pending)
+    dk, dv = _unpack(cast(torch.Tensor, grad_in), plan.local_k, k, v)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: _Setup
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _forward(setup, q, k, v)
+        ctx.setup = setup
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(saved[3])
+        dq, dk, dv = _backward(ctx.setup, saved, dout, dlse)
+        return dq, dk, dv, None
+
+
+def _setup(plan: ShardPlan, ring: Ring, mask: MaskSpec, backend: str | None, device: torch.device) -> _Setup:
+    """The ring's steps with their device-side indices, cached on the plan per mask and device."""
+    key = ("jobs", mask, backend, str(device))
+    if key not in plan.cache:
+        written = [False] * plan.local_q
+        steps = ring_schedule(plan, mask.left, mask.right)
+        plan.cache[key] = tuple((st.source, _jobs(plan, mask, st.source, st.calls, device, written)) for st in steps)
+    return _Setup(ring, plan, plan.cache[key], backend, "ring_varlen_attention")
+
+
+def _check_backend(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec) -> None:
+    """An explicit backend must run every call of every rank; checked here, before any rank communicates."""
+    if setup.backend is None:
+        return  # dispatch always finds one (the reference backend runs everything)
+    plan = setup.plan
+    cu_q, cu_k = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    layout = SeqLayout(*plan.local_cu_seqlens(q.device), cu_q, cu_k)
+    for left, right in sorted(windows(plan, mask.left, mask.right)):
+        spec = MaskSpec(mask.scale, left, right, mask.softcap)
+        dispatch.select(AttentionInputs(q, k, v, layout, spec, True), setup.backend, setup.where)
+
+
+@overload
+def ring_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ShardPlan,
+    *,
+    group: Any = ...,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    return_lse: Literal[False] = ...,
+    backend: str | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def ring_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ShardPlan,
+    *,
+    group: Any = ...,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    return_lse: Literal[True],
+    backend: str | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def ring_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ShardPlan,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention over the ranks of ``group`` on this rank's shards of a packed batch.
+
+    Shapes (``plan`` says which rows of the global batch this rank holds)::
+
+        q  (plan.local_q, Hq, D)      k  (plan.local_k, Hkv, D)      v  (plan.local_k, Hkv, Dv)
+        out (plan.local_q, Hq, Dv) in q.dtype      lse (Hq, plan.local_q) float32 (float64 for float64)
+
+    The result on every rank equals ``plan.shard_q(varlen_attention(q_global, k_global, v_global, ...))``
+    with the same options (and the LSE likewise): masks apply to global positions inside each sequence,
+    bottom-right aligned, as in :func:`packattn.varlen_attention`. Keys and values travel around the ring
+    by point-to-point send/recv, the next hop in flight while the current block computes; (query, key)
+    blocks that the mask hides entirely are skipped. Gradients of ``q``, ``k`` and ``v`` equal those of
+    single-process attention; the backward runs its own ring (no rank ever holds the whole sequence).
+
+    Collective: every rank of ``group`` calls it with the same options and a plan built for its rank,
+    and every rank takes part in the backward if any does.
+
+    Args:
+        q, k, v: this rank's rows, e.g. ``plan.shard_q(q_global)``, ``plan.shard_k(k_global)``.
+        plan: :class:`ShardPlan` built for this rank of ``group`` (its world size and rank are checked).
+        group: the process group (default: the default group). Any backend with point-to-point send/recv:
+            gloo for CPU tensors, nccl for CUDA, hccl for Ascend NPU.
+        causal, softmax_scale, window_size, softcap: as in :func:`packattn.varlen_attention`.
+        return_lse: also return the LSE of this rank's query rows.
+        backend: run every block on exactly this attention backend (it must return the LSE).
+
+    Returns:
+        ``out``, or ``(out, lse)`` with ``return_lse=True``.
+    """
+    where = "ring_varlen_attention"
+    check_tensors(q, k, v, where)
+    mask = check_mask(
+        q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
+    )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
+    dispatch.check_backend_name(backend, where)
+    ring = resolve_group(group, plan, where)
+    check_rows(q, plan.local_q, "q", "q", plan, where)
+    check_rows(k, plan.local_k, "k", "k", plan, where)
+    setup = _setup(plan, ring, mask, backend, q.device)
+    _check_backend(setup, q, k, v, mask)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _RingAttention.apply(q, k, v, setup)
+    else:
+        out, lse = _forward(setup, q, k, v)
+    return (out, lse) if return_lse else out

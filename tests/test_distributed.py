@@ -1,0 +1,461 @@
+"""Sequence parallelism against single-process attention, on CPU with real spawned gloo processes.
+
+One group of 4 worker processes serves the whole module; sub-groups of it give world sizes 1 to 4 (and
+one whose group ranks differ from the global ranks). Every case runs on every member rank, and each rank
+checks its own rows against the float64 oracle of the gathered batch with the core tolerance: at most
+2x the error of plain PyTorch in the same dtype. The planning and scheduling tests need no processes.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import traceback
+import types
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from packattn import dispatch
+from packattn.backends import reference
+from packattn.bench.distributed import Setting, measure
+from packattn.distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
+from packattn.distributed.schedule import ring_schedule
+from packattn.testing import assert_close_to_oracle, attention_naive, oracle
+
+from .helpers import make_case, offsets
+
+WORKERS = 4
+TIMEOUT_S = 120
+# group name -> global ranks; torch orders a group's ranks, so "ranks123" has group rank 0 = global rank 1.
+GROUPS = {"ws1": [0], "ws2": [0, 1], "ws3": [0, 1, 2], "ws4": None, "ranks123": [1, 2, 3]}
+SIZES = {"ws1": 1, "ws2": 2, "ws3": 3, "ws4": 4, "ranks123": 3}
+
+# One batch with every awkward case: lengths not divisible by W or 2W, shorter than W, 1 query against
+# 6 keys (most ranks hold keys but no queries of it), no queries, no keys, Lq < Lk and Lq > Lk.
+LENS_Q = [13, 1, 0, 3, 9, 24, 2, 5, 7]
+LENS_K = [13, 6, 4, 3, 0, 24, 2, 11, 3]
+MASKS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (3, 2)},
+    "causal_window_softcap": {"causal": True, "window_size": (5, -1), "softcap": 3.0},
+}
+METHODS = {"ring": ring_varlen_attention, "ulysses": ulysses_varlen_attention}
+
+
+# ---------------------------------------------------------------- the worker pool
+
+
+def _worker(rank: int, port: int, tasks: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS, timeout=timedelta(seconds=60)
+    )
+    groups = {name: None if ranks is None else dist.new_group(ranks) for name, ranks in GROUPS.items()}
+    while (task := tasks.get()) is not None:
+        name, group_name, kwargs = task
+        members = GROUPS[group_name]
+        if members is not None and rank not in members:
+            results.put((rank, None))
+            continue
+        try:
+            CASES[name](groups[group_name], **kwargs)
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Cluster:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.tasks = [ctx.Queue() for _ in range(WORKERS)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, port, self.tasks[r], self.results), daemon=True)
+            for r in range(WORKERS)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = ""
+
+    def run(self, case: str, group: str, **kwargs: Any) -> None:
+        """Run ``CASES[case]`` on every rank of ``group``; fail with the message of any rank that raised."""
+        if self.broken:
+            pytest.fail(f"the worker pool is unusable after an earlier case: {self.broken}")
+        for q in self.tasks:
+            q.put((case, group, kwargs))
+        errors = []
+        for _ in range(WORKERS):
+            try:
+                rank, err = self.results.get(timeout=TIMEOUT_S)
+            except Exception:
+                self.broken = f"{case} on {group} timed out after {TIMEOUT_S} s"
+                pytest.fail(self.broken)
+            if err:
+                errors.append(f"--- rank {rank}:\n{err}")
+        if errors:
+            pytest.fail("\n".join(errors), pytrace=False)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.terminate()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    yield c
+    c.close()
+
+
+# ---------------------------------------------------------------- cases run inside the workers
+
+
+def _plan(group: Any, lens_q: list[int], lens_k: list[int], balance: str) -> ShardPlan:
+    return ShardPlan.build(
+        offsets(lens_q),
+        offsets(lens_k),
+        world_size=dist.get_world_size(group),
+        rank=dist.get_rank(group),
+        balance=balance,  # type: ignore[arg-type]
+    )
+
+
+def case_matches_single_process(
+    group: Any,
+    *,
+    method: str,
+    balance: str,
+    mask: str,
+    hq: int = 12,
+    hkv: int = 2,
+    dtype: str = "float32",
+    backend: str | None = None,
+    lens: tuple[list[int], list[int]] = (LENS_Q, LENS_K),
+    with_lse: bool = True,
+) -> None:
+    """Forward (out, LSE) and backward (dq, dk, dv through out and, if ``with_lse``, the LSE) of this
+    rank's rows vs the oracle."""
+    opts = MASKS[mask]
+    c = make_case(*lens, hq=hq, hkv=hkv, d=16, dv=8, dtype=getattr(torch, dtype), seed=3)
+    plan = _plan(group, *lens, balance)
+    gen = torch.Generator().manual_seed(4)
+    dout = torch.randn(c.q.shape[0], hq, 8, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(hq, c.q.shape[0], generator=gen, dtype=torch.float64)
+
+    def loss(out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor) -> torch.Tensor:
+        total = (out.double() * d_out).sum()
+        return total + (lse.double().nan_to_num(0.0, 0.0, 0.0) * d_lse).sum() if with_lse else total
+
+    def reference_run(dt: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+        xs = [t.detach().clone().requires_grad_() for t in (c.q, c.k, c.v)]
+        o, lse = attention_naive(*xs, c.cu_q, c.cu_k, dtype=dt, **opts)
+        return (o, lse, *torch.autograd.grad(loss(o, lse, dout, dlse), xs))
+
+    expected, plain = reference_run(torch.float64), reference_run(None)
+    leaves = [plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)]
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out, lse = METHODS[method](*leaves, plan, group=group, return_lse=True, backend=backend, **opts)
+    assert out.dtype == c.q.dtype and lse.dtype == torch.float32 and lse.shape == (hq, plan.local_q)
+    got = (out, lse, *torch.autograd.grad(loss(out, lse, plan.shard_q(dout), plan.shard_q(dlse.T).T), leaves))
+    select = [plan.shard_q, lambda t: plan.shard_q(t.T).T, plan.shard_q, plan.shard_k, plan.shard_k]
+    for name, g, e, p, sel in zip(["out", "lse", "dq", "dk", "dv"], got, expected, plain, select, strict=True):
+        floor = 1e-5 if name == "lse" else None
+        assert_close_to_oracle(g, sel(e), sel(p), name=f"rank {plan.rank} {name}", floor=floor)
+
+
+def case_no_grad_and_unshard(group: Any, *, method: str) -> None:
+    """Without autograd the result is the same; unshard_q / unshard_k gather rows back to the global order
+    (and unshard's gradient is the sum over ranks of the gathered tensor's gradient)."""
+    c = make_case(LENS_Q, LENS_K, hq=6, hkv=2, d=16, seed=5)
+    plan = _plan(group, LENS_Q, LENS_K, "zigzag")
+    args = (plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v), plan)
+    with torch.no_grad():
+        a = METHODS[method](*args, group=group, causal=True)
+    b = METHODS[method](*(t.requires_grad_() for t in args[:3]), plan, group=group, causal=True)
+    assert torch.equal(a, b.detach())
+    full = plan.unshard_q(a, group=group)
+    ref_out, _ = oracle(c.q, c.k, c.v, c.cu_q, c.cu_k, causal=True)
+    plain, _ = attention_naive(c.q, c.k, c.v, c.cu_q, c.cu_k, causal=True)
+    assert_close_to_oracle(full, ref_out, plain, name="unshard_q(out)")
+    x = plan.shard_k(c.k).requires_grad_()
+    weights = torch.randn(c.k.shape, generator=torch.Generator().manual_seed(0))
+    (plan.unshard_k(x, group=group) * weights).sum().backward()
+    # Every rank's loss reads the gathered tensor, so each row gathers W copies of its gradient.
+    assert x.grad is not None and torch.allclose(x.grad, plan.world_size * plan.shard_k(weights))
+
+
+def case_native_autograd_backend(group: Any) -> None:
+    """A backend with only native autograd gets its block gradients by recomputation."""
+    fake = types.SimpleNamespace(
+        NAME="native_reference",
+        NATIVE_AUTOGRAD=True,
+        unavailable_reason=lambda: None,
+        supports=lambda inp: [],
+        forward=reference.forward,
+    )
+    dispatch.BACKENDS["native_reference"] = fake  # type: ignore[assignment]
+    try:
+        case_matches_single_process(group, method="ring", balance="zigzag", mask="causal", backend="native_reference")
+    finally:
+        del dispatch.BACKENDS["native_reference"]
+
+
+def case_errors(group: Any) -> None:
+    """Bad plans and shapes raise the same clear error on every rank, before any communication."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    c = make_case(LENS_Q, LENS_K, hq=5, hkv=1, d=16, seed=1)
+    plan = _plan(group, LENS_Q, LENS_K, "zigzag")
+    q, k, v = plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)
+    other_size = ShardPlan.build(c.cu_q, c.cu_k, world_size=w + 1, rank=r)
+    other_rank = ShardPlan.build(c.cu_q, c.cu_k, world_size=w, rank=(r + 1) % w)
+    for fn in METHODS.values():
+        with pytest.raises(ValueError, match=f"plan was built for world_size={w + 1}, but the group has {w} ranks"):
+            fn(q, k, v, other_size, group=group)
+        with pytest.raises(ValueError, match=f"plan was built for rank {(r + 1) % w}, but this process is rank {r}"):
+            fn(q, k, v, other_rank, group=group)
+        with pytest.raises(ValueError, match=rf"q must hold this rank's {plan.local_q} q rows .* got {c.q.shape[0]}"):
+            fn(c.q, k, v, plan, group=group)
+        with pytest.raises(ValueError, match=rf"k must hold this rank's {plan.local_k} k rows"):
+            fn(q, c.k, c.v, plan, group=group)
+        with pytest.raises(TypeError, match="plan must be a ShardPlan"):
+            fn(q, k, v, "plan", group=group)  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match=r"backend='sdpa' cannot run .*returns no LSE"):
+        ring_varlen_attention(q, k, v, plan, group=group, backend="sdpa")
+    with pytest.raises(
+        ValueError, match=rf"query heads \(q.shape\[1\] = 5\) must be divisible by the group size \({w}\)"
+    ):
+        ulysses_varlen_attention(q, k, v, plan, group=group)
+
+
+def case_benchmark_runs(group: Any) -> None:
+    """The distributed benchmark's measurement, tiny, on the default group."""
+    results = measure(Setting(lengths=(64, 40), repeats=1))
+    assert [r.world_size for r in results] == [1, WORKERS, WORKERS]
+    assert all(r.median_ms > 0 and r.overhead > 0 for r in results)
+
+
+CASES = {
+    "benchmark": case_benchmark_runs,
+    "matches": case_matches_single_process,
+    "no_grad_and_unshard": case_no_grad_and_unshard,
+    "native_autograd": case_native_autograd_backend,
+    "errors": case_errors,
+}
+
+
+# ---------------------------------------------------------------- tests that use the workers
+
+WORLD_SIZES = ["ws1", "ws2", "ws3", "ws4"]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("group", WORLD_SIZES)
+def test_ring_matches_single_process(cluster, group, balance, mask):
+    cluster.run("matches", group, method="ring", balance=balance, mask=mask)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("group", WORLD_SIZES)
+def test_ulysses_matches_single_process(cluster, group, balance, mask):
+    # hq=12 with hkv=2: at world sizes 3 and 4 the KV heads are repeated (Hkv < W).
+    cluster.run("matches", group, method="ulysses", balance=balance, mask=mask)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_group_ranks_differ_from_global_ranks(cluster, method):
+    cluster.run("matches", "ranks123", method=method, balance="zigzag", mask="causal")
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (4, 4)], ids=["mqa", "mha"])
+@pytest.mark.parametrize("method", METHODS)
+def test_head_layouts_at_world_size_4(cluster, method, heads):
+    # Gradients through the output only (no LSE gradient reaches the backward).
+    opts = {"hq": heads[0], "hkv": heads[1], "with_lse": False}
+    cluster.run("matches", "ws4", method=method, balance="zigzag", mask="causal", **opts)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bfloat16(cluster, method):
+    cluster.run("matches", "ws3", method=method, balance="zigzag", mask="causal", dtype="bfloat16")
+
+
+def test_sequences_all_shorter_than_world_size(cluster):
+    lens = ([1, 2, 3, 1, 0], [3, 2, 1, 0, 2])
+    cluster.run("matches", "ws4", method="ring", balance="zigzag", mask="causal", lens=lens)
+    cluster.run("matches", "ws4", method="ulysses", balance="contiguous", mask="full", lens=lens)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_grad_and_unshard(cluster, method):
+    cluster.run("no_grad_and_unshard", "ws3", method=method)
+
+
+def test_backend_with_native_autograd_only(cluster):
+    cluster.run("native_autograd", "ws2")
+
+
+@pytest.mark.parametrize("group", ["ws2", "ws4"])
+def test_errors(cluster, group):
+    cluster.run("errors", group)
+
+
+def test_benchmark_measures(cluster):
+    cluster.run("benchmark", "ws4")
+
+
+# ---------------------------------------------------------------- planning, no processes
+
+
+def test_uninitialised_process_group():
+    assert not dist.is_initialized()
+    plan = ShardPlan.build([0, 4], [0, 4], world_size=1, rank=0)
+    x = torch.randn(4, 2, 8)
+    for fn in METHODS.values():
+        with pytest.raises(RuntimeError, match="default process group is not initialised"):
+            fn(x, x, x, plan)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        plan.unshard_q(x)
+
+
+def test_zigzag_and_contiguous_chunks():
+    rows = {
+        b: [
+            ShardPlan.build([0, 8], [0, 8], world_size=2, rank=r, balance=b).shard_q(torch.arange(8)).tolist()
+            for r in range(2)
+        ]
+        for b in ("zigzag", "contiguous")
+    }
+    assert rows == {"zigzag": [[0, 1, 6, 7], [2, 3, 4, 5]], "contiguous": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_shards_partition_the_batch(world_size, balance):
+    cu_q, cu_k = offsets([13, 1, 0, 3, 24]), offsets([13, 6, 4, 0, 24])
+    plans = [ShardPlan.build(cu_q, cu_k, world_size=world_size, rank=r, balance=balance) for r in range(world_size)]
+    for side, total in (("q", cu_q[-1]), ("k", cu_k[-1])):
+        rows = torch.cat([getattr(p, f"shard_{side}")(torch.arange(total)) for p in plans])
+        assert sorted(rows.tolist()) == list(range(total))
+    for p in plans:
+        assert p.cu_seqlens_q_host[-1] == p.local_q and p.cu_seqlens_k_host[-1] == p.local_k
+        assert len(p.cu_seqlens_q_host) == len(p.cu_seqlens_k_host) == len(cu_q)
+    # Chunks differ by at most one token, so ranks hold near-equal parts of each sequence.
+    per_rank = [p.cu_seqlens_q_host[1] for p in plans]  # rows of the 13-token sequence
+    assert max(per_rank) - min(per_rank) <= (1 if balance == "contiguous" else 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"cu_seqlens_q_host": torch.tensor([0, 4])},
+            TypeError,
+            r"cu_seqlens_q_host must be a list/tuple .* pass .tolist\(\)",
+        ),
+        ({"cu_seqlens_k_host": [0, 5, 4]}, ValueError, "cu_seqlens_k_host must be non-decreasing, got 5 then 4"),
+        ({"cu_seqlens_k_host": [0, 4, 6]}, ValueError, "same number of sequences, got 1 and 2"),
+        ({"cu_seqlens_q_host": [1, 4]}, ValueError, "cu_seqlens_q_host must start at 0, got 1"),
+        ({"world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+        ({"rank": 2}, ValueError, r"rank must be in \[0, world_size\) = \[0, 2\), got 2"),
+        ({"rank": 1.0}, TypeError, "rank must be an int, got float"),
+        ({"balance": "striped"}, ValueError, "balance must be one of .* got 'striped'"),
+    ],
+    ids=["tensor", "decreasing", "batch_mismatch", "start", "world_size", "rank_range", "rank_type", "balance"],
+)
+def test_plan_validation(kwargs, error, match):
+    args = {"cu_seqlens_q_host": [0, 4], "cu_seqlens_k_host": [0, 4], "world_size": 2, "rank": 0, **kwargs}
+    with pytest.raises(error, match=match):
+        ShardPlan.build(args.pop("cu_seqlens_q_host"), args.pop("cu_seqlens_k_host"), **args)
+
+
+def test_shard_rejects_a_local_tensor():
+    plan = ShardPlan.build([0, 8], [0, 8], world_size=2, rank=0)
+    with pytest.raises(ValueError, match=r"x must be the global tensor with 8 rows .* got shape \(4, 3\)"):
+        plan.shard_q(torch.zeros(4, 3))
+
+
+def _covered(plans: list[ShardPlan], left: int, right: int) -> Counter:
+    """Every (global query row, global key row) that some rank's ring computes, with multiplicity,
+    reconstructed from the calls with varlen_attention's bottom-right window rule."""
+    seen: Counter = Counter()
+    for plan in plans:
+        q_rows = plan.shards_q[plan.rank].global_rows().tolist()
+        for step in ring_schedule(plan, left, right):
+            k_rows = plan.shards_k[step.source].global_rows().tolist()
+            for call in step.calls:
+                wl, wr = call.window
+                for (qa, qb), ranges in zip(call.q_rows, call.k_rows, strict=True):
+                    keys = [j for a, b in ranges for j in range(a, b)]
+                    m, n = qb - qa, len(keys)
+                    for i in range(m):
+                        for jj, j in enumerate(keys):
+                            d = jj - i - (n - m)
+                            if (wl < 0 or d >= -wl) and (wr < 0 or d <= wr):
+                                seen[q_rows[qa + i], k_rows[j]] += 1
+    return seen
+
+
+def _visible(cu_q: list[int], cu_k: list[int], left: int, right: int) -> set[tuple[int, int]]:
+    out = set()
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for i in range(lq):
+            for j in range(lk):
+                d = j - i - (lk - lq)
+                if (left < 0 or d >= -left) and (right < 0 or d <= right):
+                    out.add((cu_q[b] + i, cu_k[b] + j))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ring_schedule_computes_every_visible_pair_exactly_once(seed):
+    """The chunk-pair window algebra, on random batches, masks, world sizes and balances."""
+    rng = random.Random(seed)
+    for _ in range(12):
+        w, n = rng.randint(1, 5), rng.randint(1, 4)
+        lens_q = [rng.choice([0, 1, 2, 3, 5, 8, 13, 20]) for _ in range(n)]
+        lens_k = [x if rng.random() < 0.6 else rng.choice([0, 1, 4, 9, 16]) for x in lens_q]
+        left, right = rng.choice([-1, -1, 0, 1, 3, 6]), rng.choice([-1, 0, 0, 1, 4])
+        cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+        balance = rng.choice(["zigzag", "contiguous"])
+        plans = [ShardPlan.build(cu_q, cu_k, world_size=w, rank=r, balance=balance) for r in range(w)]  # type: ignore[arg-type]
+        seen = _covered(plans, left, right)
+        case = f"W={w} lens_q={lens_q} lens_k={lens_k} window=({left}, {right}) {balance}"
+        assert max(seen.values(), default=1) == 1, f"a pair is computed twice: {case}"
+        assert set(seen) == _visible(cu_q, cu_k, left, right), case
+
+
+def test_causal_blocks_are_skipped_and_zigzag_balances_them():
+    cu = [0, 64, 128]
+    contiguous = [ShardPlan.build(cu, cu, world_size=4, rank=r, balance="contiguous") for r in range(4)]
+    zigzag = [ShardPlan.build(cu, cu, world_size=4, rank=r, balance="zigzag") for r in range(4)]
+
+    def visible_work(plan: ShardPlan) -> int:
+        return sum(_covered([plan], -1, 0).values())
+
+    # Contiguous: rank 0's queries come first, so every visiting block is hidden and never computed.
+    assert all(not st.calls for st in ring_schedule(contiguous[0], -1, 0)[1:])
+    assert [visible_work(p) for p in contiguous] == [2 * 136, 2 * 392, 2 * 648, 2 * 904]
+    # Zigzag: every rank gets the same causal work (chunk r and chunk 2W - 1 - r of each sequence).
+    assert [visible_work(p) for p in zigzag] == [2 * 520] * 4
+    # Later steps are one unmasked call each: both sequences' blocks share it.
+    assert all(
+        len(st.calls) == 1 and st.calls[0].window == (-1, -1) for p in zigzag for st in ring_schedule(p, -1, 0)[1:]
+    )
