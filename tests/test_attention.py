@@ -33,6 +33,7 @@ MASKS = {
     "window": {"window_size": (3, 2)},
     "window_causal": {"window_size": (4, -1), "causal": True},
     "left_only": {"window_size": (-1, 1)},
+    "right_band": {"window_size": (-1, 4)},
     "softcap": {"softcap": 2.5},
     "scale": {"softmax_scale": 0.3},
 }

@@ -12,11 +12,12 @@ calls of it as it can:
 * Causal GQA: the ``G`` query heads of a KV head become the kernel's batch with K/V broadcast over it
   (stride 0), again without K/V copies.
 * The bottom-right causal mask is the kernel's own (top-left) causal mask when ``Lq == Lk``, which skips
-  the blocks above the diagonal. With ``Lq < Lk`` every query also sees the first ``Lk - Lq`` keys: an
-  unmasked call for those, merged through the LSE with a square causal call for the rest. With
-  ``Lq > Lk`` the first ``Lq - Lk`` queries see no key (out 0, LSE -inf) and the rest is square.
+  the blocks above the diagonal. Otherwise, and for any window ``(-1, right)`` (which ring attention
+  produces for blocks off the diagonal), query ``i`` sees keys ``j <= i + shift``: the rows that see a
+  prefix of the keys get an unmasked call for the keys every one of them sees, merged through the LSE
+  with a square causal call for the rest; rows that see every key, or none, need no mask at all.
 
-Anything the kernel cannot express (sliding windows, soft-capping, ``Dv != D``) runs on the tiled
+Anything the kernel cannot express (windows bounded on the left, soft-capping, ``Dv != D``) runs on the tiled
 reference path, which is exact for all options. Gradients come from the reference backward.
 """
 
@@ -36,7 +37,8 @@ backward = reference.backward
 
 
 def _kernel():
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return None if op is None else op.default
 
 
 def unavailable_reason() -> str | None:
@@ -53,7 +55,10 @@ def supports(inp: AttentionInputs) -> list[str]:
 
 def _uses_kernel(inp: AttentionInputs) -> bool:
     m = inp.mask
-    return m.softcap == 0 and m.left < 0 and m.right in (-1, 0) and inp.head_dim == inp.head_dim_v
+    return m.softcap == 0 and m.left < 0 and inp.head_dim == inp.head_dim_v
+
+
+_Piece = tuple[int, torch.Tensor, torch.Tensor]  # (first packed row, out (R, Hq, Dv), lse (Hq, R))
 
 
 @dataclass(frozen=True)
@@ -103,21 +108,30 @@ def _attend(
     return o.reshape(n * lq, hq, d), lse.reshape(n, hq, lq).transpose(0, 1).reshape(hq, n * lq)
 
 
-def _causal_sequence(
-    inp: AttentionInputs, qs: int, lq: int, ks: int, lk: int
-) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """``(first_row, out, lse)`` of one sequence under the bottom-right causal mask.
+def _banded_sequence(inp: AttentionInputs, qs: int, lq: int, ks: int, lk: int) -> list[_Piece]:
+    """Pieces of one sequence under a window ``(-1, right)``: query ``i`` sees keys ``j <= i + shift``.
 
-    ``Lq > Lk``: the first ``Lq - Lk`` rows see no key; the rest is a square with the kernel's causal mask.
-    ``Lq < Lk``: every row sees the first ``Lk - Lq`` keys (unmasked call) and a causal square after them.
+    With ``shift = Lk - Lq + right``, rows before ``-shift`` see no key. The next rows see a prefix of
+    keys: every key before ``first + shift`` (an unmasked call) and a square under the kernel's top-left
+    causal mask after it, merged through the LSE. Rows from ``Lk - shift`` on see every key (unmasked).
     """
     q, k, v, scale = inp.q, inp.k, inp.v, inp.mask.scale
-    off = lk - lq
-    if off <= 0:
-        return qs - off, *_attend(q, k, v, _Rows(qs - off, 1, lk, 0), _Rows(ks, 1, lk, 0), scale, True)
-    o_pre, l_pre = _attend(q, k, v, _Rows(qs, 1, lq, 0), _Rows(ks, 1, off, 0), scale, False)
-    o_sq, l_sq = _attend(q, k, v, _Rows(qs, 1, lq, 0), _Rows(ks + off, 1, lq, 0), scale, True)
-    return qs, *merge_attention_states(o_pre, l_pre, o_sq, l_sq)
+    shift = lk - lq + inp.mask.right
+    first = min(lq, max(0, -shift))
+    last = min(lq, max(first, lk - shift))  # rows [first, last) see a strict prefix of the keys
+    pieces = []
+    if last > first:
+        rows = _Rows(qs + first, 1, last - first, 0)
+        out, lse = _attend(q, k, v, rows, _Rows(ks + first + shift, 1, last - first, 0), scale, True)
+        if first + shift > 0:
+            o_pre, l_pre = _attend(q, k, v, rows, _Rows(ks, 1, first + shift, 0), scale, False)
+            out, lse = merge_attention_states(o_pre, l_pre, out, lse)
+        pieces.append((qs + first, out, lse))
+    if lq > last:
+        pieces.append(
+            (qs + last, *_attend(q, k, v, _Rows(qs + last, 1, lq - last, 0), _Rows(ks, 1, lk, 0), scale, False))
+        )
+    return pieces
 
 
 def _runs(inp: AttentionInputs) -> list[tuple[int, int, int, int, int]]:
@@ -140,22 +154,36 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if not _uses_kernel(inp):
         return reference.forward(inp)
     q, v = inp.q, inp.v
-    pieces = []
+    pieces: list[_Piece] = []
     for qs, lq, ks, lk, n in _runs(inp):
-        causal = inp.mask.causal and lq > 1  # one causal query sees every key
-        if not causal or lq == lk:
+        # Unmasked, or plain causal on a square: the kernel's own masks, batched over the run.
+        if inp.mask.right < 0 or lq == 1 or (lq == lk and inp.mask.right == 0):  # one query sees every key
+            causal = inp.mask.right == 0 and lq > 1
             pieces.append(
                 (qs, *_attend(q, inp.k, v, _Rows(qs, n, lq, lq), _Rows(ks, n, lk, lk), inp.mask.scale, causal))
             )
         else:
-            pieces += [_causal_sequence(inp, qs + b * lq, lq, ks + b * lk, lk) for b in range(n)]
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if len(pieces) == 1 and pieces[0][1].shape[0] == q.shape[0]:
-        _, o, lse = pieces[0]
-        return o.contiguous(), lse.to(lse_dtype)
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype)
-    for start, o, l_ in pieces:
-        out[start : start + o.shape[0]] = o
-        lse[:, start : start + o.shape[0]] = l_
-    return out, lse
+            for b in range(n):
+                pieces += _banded_sequence(inp, qs + b * lq, lq, ks + b * lk, lk)
+    return _assemble(pieces, q.shape[0], q.shape[1], v.shape[2], q.dtype)
+
+
+def _assemble(
+    pieces: list[_Piece], total: int, heads: int, dv: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate ``(start, out, lse)`` pieces in row order; rows no piece covers get out 0 and LSE -inf."""
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    outs, lses, row = [], [], 0
+    for start, o, lse in sorted(pieces, key=lambda p: p[0]):
+        if start > row:
+            outs.append(torch.zeros(start - row, heads, dv, dtype=dtype))
+            lses.append(torch.full((heads, start - row), float("-inf"), dtype=lse_dtype))
+        outs.append(o)
+        lses.append(lse.to(lse_dtype))
+        row = start + o.shape[0]
+    if row < total:
+        outs.append(torch.zeros(total - row, heads, dv, dtype=dtype))
+        lses.append(torch.full((heads, total - row), float("-inf"), dtype=lse_dtype))
+    if len(outs) == 1:
+        return outs[0].contiguous(), lses[0].contiguous()
+    return torch.cat(outs), torch.cat(lses, dim=1)
