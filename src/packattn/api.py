@@ -23,16 +23,15 @@ class _Attention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: ModuleType, inp: AttentionInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = backend.forward(inp)
-        ctx.backend, ctx.inp = backend, inp
-        ctx.save_for_backward(out, lse)
+        ctx.backend, ctx.layout, ctx.mask = backend, inp.layout, inp.mask
+        ctx.save_for_backward(q, k, v, out, lse)  # saved tensors: autograd catches later in-place edits
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.backend.backward(ctx.inp, out, lse, dout.contiguous(), dlse)
+        q, k, v, out, lse = ctx.saved_tensors
+        inp = AttentionInputs(q, k, v, ctx.layout, ctx.mask, return_lse=True)
+        dq, dk, dv = ctx.backend.backward(inp, out, lse, dout.contiguous(), dlse)
         return dq, dk, dv, None, None
 
 
