@@ -23,6 +23,8 @@ reference path, which is exact for all options. Gradients come from the referenc
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -144,40 +146,38 @@ def _runs(inp: AttentionInputs) -> list[tuple[int, int, int, int, int]]:
     return runs
 
 
-def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _uses_kernel(inp):
-        return reference.forward(inp)
-    q, v = inp.q, inp.v
-    pieces: list[_Piece] = []
+def _pieces(inp: AttentionInputs) -> Iterator[_Piece]:
+    """The kernel calls of a packed batch, in row order."""
+    q, k, v, scale = inp.q, inp.k, inp.v, inp.mask.scale
     for qs, lq, ks, lk, n in _runs(inp):
         # Unmasked, or plain causal on a square: the kernel's own masks, batched over the run.
         if inp.mask.right < 0 or lq == 1 or (lq == lk and inp.mask.right == 0):  # one query sees every key
             causal = inp.mask.right == 0 and lq > 1
-            pieces.append(
-                (qs, *_attend(q, inp.k, v, _Rows(qs, n, lq, lq), _Rows(ks, n, lk, lk), inp.mask.scale, causal))
-            )
+            yield (qs, *_attend(q, k, v, _Rows(qs, n, lq, lq), _Rows(ks, n, lk, lk), scale, causal))
         else:
             for b in range(n):
-                pieces += _banded_sequence(inp, qs + b * lq, lq, ks + b * lk, lk)
-    return _assemble(pieces, q.shape[0], q.shape[1], v.shape[2], q.dtype)
+                yield from _banded_sequence(inp, qs + b * lq, lq, ks + b * lk, lk)
 
 
-def _assemble(
-    pieces: list[_Piece], total: int, heads: int, dv: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate ``(start, out, lse)`` pieces in row order; rows no piece covers get out 0 and LSE -inf."""
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    outs, lses, row = [], [], 0
-    for start, o, lse in sorted(pieces, key=lambda p: p[0]):
-        if start > row:
-            outs.append(torch.zeros(start - row, heads, dv, dtype=dtype))
-            lses.append(torch.full((heads, start - row), float("-inf"), dtype=lse_dtype))
-        outs.append(o)
-        lses.append(lse.to(lse_dtype))
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _uses_kernel(inp):
+        return reference.forward(inp)
+    total, heads, dv = inp.q.shape[0], inp.q.shape[1], inp.v.shape[2]
+    lse_dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
+    pieces = _pieces(inp)
+    first = next(pieces, None)
+    if first is not None and first[0] == 0 and first[1].shape[0] == total:  # one call covers the batch
+        return first[1].contiguous(), first[2].to(lse_dtype).contiguous()
+    # Copy each piece into place as it comes, so that at most one lives beside the output.
+    out = inp.q.new_empty(total, heads, dv)
+    lse = torch.empty(heads, total, dtype=lse_dtype)
+    row = 0
+    for start, o, piece_lse in itertools.chain([first] if first is not None else [], pieces):
+        out[row:start].zero_()
+        lse[:, row:start] = float("-inf")
         row = start + o.shape[0]
-    if row < total:
-        outs.append(torch.zeros(total - row, heads, dv, dtype=dtype))
-        lses.append(torch.full((heads, total - row), float("-inf"), dtype=lse_dtype))
-    if len(outs) == 1:
-        return outs[0].contiguous(), lses[0].contiguous()
-    return torch.cat(outs), torch.cat(lses, dim=1)
+        out[start:row] = o
+        lse[:, start:row] = piece_lse
+    out[row:].zero_()  # rows no piece covers see no key
+    lse[:, row:] = float("-inf")
+    return out, lse

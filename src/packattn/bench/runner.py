@@ -70,10 +70,11 @@ def peak_extra_mib(fn, out_bytes: int) -> float:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    # An op's memory usage includes that of the ops it calls: count each allocation once, where it is made.
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
     current = peak = 0
     for e in events:
-        current += e.cpu_memory_usage
+        current += e.self_cpu_memory_usage
         peak = max(peak, current)
     return max(0, peak - out_bytes) / 2**20
 
