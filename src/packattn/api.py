@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Literal, overload
 
@@ -168,7 +169,7 @@ def varlen_attention(
     if chosen.NATIVE_AUTOGRAD:
         out, lse = chosen.forward(inp)
     elif inp.requires_grad:
-        out, lse = _Attention.apply(q, k, v, chosen, inp)
+        out, lse = _Attention.apply(q, k, v, chosen, replace(inp, return_lse=True))  # backward reads the LSE
     else:
         out, lse = chosen.forward(inp)
     return (out, lse) if return_lse else out

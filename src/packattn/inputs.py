@@ -66,7 +66,7 @@ class AttentionInputs:
     v: torch.Tensor
     layout: SeqLayout
     mask: MaskSpec
-    return_lse: bool = False
+    return_lse: bool = False  # the LSE is read (by the caller or a backward); if not, a backend may return None
 
     @property
     def heads_q(self) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inputs import AttentionInputs
+from ..inputs import AttentionInputs, MaskSpec
 from ..merge import merge_attention_states
 from . import reference
 
@@ -104,15 +104,17 @@ def _attend(
     return o.reshape(n * lq, hq, d), lse.reshape(n, hq, lq).transpose(0, 1).reshape(hq, n * lq)
 
 
-def _banded_sequence(inp: AttentionInputs, qs: int, lq: int, ks: int, lk: int) -> list[_Piece]:
+def _banded_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, qs: int, lq: int, ks: int, lk: int
+) -> list[_Piece]:
     """Pieces of one sequence under a window ``(-1, right)``: query ``i`` sees keys ``j <= i + shift``.
 
     With ``shift = Lk - Lq + right``, rows before ``-shift`` see no key. The next rows see a prefix of
     keys: every key before ``first + shift`` (an unmasked call) and a square under the kernel's top-left
     causal mask after it, merged through the LSE. Rows from ``Lk - shift`` on see every key (unmasked).
     """
-    q, k, v, scale = inp.q, inp.k, inp.v, inp.mask.scale
-    shift = lk - lq + inp.mask.right
+    scale = mask.scale
+    shift = lk - lq + mask.right
     first = min(lq, max(0, -shift))
     last = min(lq, max(first, lk - shift))  # rows [first, last) see a strict prefix of the keys
     pieces = []
@@ -146,9 +148,14 @@ def _runs(inp: AttentionInputs) -> list[tuple[int, int, int, int, int]]:
     return runs
 
 
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    # The kernel reads each head vector as contiguous memory and ignores a last-dim stride (wrong results).
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _pieces(inp: AttentionInputs) -> Iterator[_Piece]:
     """The kernel calls of a packed batch, in row order."""
-    q, k, v, scale = inp.q, inp.k, inp.v, inp.mask.scale
+    q, k, v, scale = _unit_last_stride(inp.q), _unit_last_stride(inp.k), _unit_last_stride(inp.v), inp.mask.scale
     for qs, lq, ks, lk, n in _runs(inp):
         # Unmasked, or plain causal on a square: the kernel's own masks, batched over the run.
         if inp.mask.right < 0 or lq == 1 or (lq == lk and inp.mask.right == 0):  # one query sees every key
@@ -156,10 +163,11 @@ def _pieces(inp: AttentionInputs) -> Iterator[_Piece]:
             yield (qs, *_attend(q, k, v, _Rows(qs, n, lq, lq), _Rows(ks, n, lk, lk), scale, causal))
         else:
             for b in range(n):
-                yield from _banded_sequence(inp, qs + b * lq, lq, ks + b * lk, lk)
+                yield from _banded_sequence(q, k, v, inp.mask, qs + b * lq, lq, ks + b * lk, lk)
 
 
-def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Out and, when ``inp.return_lse`` (a caller or a backward pass reads it), the LSE; else ``None``."""
     if not _uses_kernel(inp):
         return reference.forward(inp)
     total, heads, dv = inp.q.shape[0], inp.q.shape[1], inp.v.shape[2]
@@ -167,17 +175,22 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     pieces = _pieces(inp)
     first = next(pieces, None)
     if first is not None and first[0] == 0 and first[1].shape[0] == total:  # one call covers the batch
-        return first[1].contiguous(), first[2].to(lse_dtype).contiguous()
-    # Copy each piece into place as it comes, so that at most one lives beside the output.
+        return first[1].contiguous(), first[2].to(lse_dtype).contiguous() if inp.return_lse else None
+    # Copy each piece into place as it comes, so that at most one lives beside the output. Few-row pieces
+    # (many short sequences) make this loop's per-op cost count: no op here that the piece does not need.
     out = inp.q.new_empty(total, heads, dv)
-    lse = torch.empty(heads, total, dtype=lse_dtype)
+    lse = torch.empty(heads, total, dtype=lse_dtype) if inp.return_lse else None
     row = 0
     for start, o, piece_lse in itertools.chain([first] if first is not None else [], pieces):
-        out[row:start].zero_()
-        lse[:, row:start] = float("-inf")
+        if start > row:  # rows between pieces see no key
+            out[row:start] = 0
+            if lse is not None:
+                lse[:, row:start] = float("-inf")
         row = start + o.shape[0]
         out[start:row] = o
-        lse[:, start:row] = piece_lse
-    out[row:].zero_()  # rows no piece covers see no key
-    lse[:, row:] = float("-inf")
+        if lse is not None:
+            lse[:, start:row] = piece_lse
+    out[row:] = 0
+    if lse is not None:
+        lse[:, row:] = float("-inf")
     return out, lse
