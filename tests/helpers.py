@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import packattn
 from packattn.dispatch import BACKENDS, reasons
-from packattn.inputs import AttentionInputs, check_mask
+from packattn.inputs import AttentionInputs, check_mask, compute_dtype
 from packattn.layout import SeqLayout
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
+
+BACKEND_NAMES = sorted(BACKENDS)
 
 
 def offsets(lengths: list[int]) -> list[int]:
@@ -20,13 +23,16 @@ def offsets(lengths: list[int]) -> list[int]:
     return cu
 
 
-def poisoned(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def poisoned(
+    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, *, requires_grad: bool = False
+) -> torch.Tensor:
     """A random tensor of ``shape`` viewed out of a larger NaN buffer (extra rows and a wider last dim),
-    so any read outside the described rows or head dim turns the result into NaN."""
+    so any read outside the described rows or head dim turns the result into NaN. With ``requires_grad``
+    the buffer is a leaf that requires grad and the result a strided view of it, as a caller's slice is."""
     t, h, d = shape
     buf = torch.full((t + 3, h, d + 5), float("nan"), dtype=torch.float64)
     buf[2 : 2 + t, :, :d] = torch.randn(t, h, d, generator=gen, dtype=torch.float64)
-    return buf.to(dtype)[2 : 2 + t, :, :d]
+    return buf.to(dtype).requires_grad_(requires_grad)[2 : 2 + t, :, :d]
 
 
 @dataclass
@@ -51,67 +57,139 @@ def make_case(
     dv: int | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    requires_grad: bool = False,
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     cu_q, cu_k = offsets(lens_q), offsets(lens_k)
-    q = poisoned((cu_q[-1], hq, d), dtype, gen)
-    k = poisoned((cu_k[-1], hkv, d), dtype, gen)
-    v = poisoned((cu_k[-1], hkv, dv or d), dtype, gen)
+    q = poisoned((cu_q[-1], hq, d), dtype, gen, requires_grad=requires_grad)
+    k = poisoned((cu_k[-1], hkv, d), dtype, gen, requires_grad=requires_grad)
+    v = poisoned((cu_k[-1], hkv, dv or d), dtype, gen, requires_grad=requires_grad)
     return Case(q, k, v, cu_q, cu_k)
 
 
-def backend_reasons(name: str, case: Case, return_lse: bool, **mask: object) -> list[str]:
-    spec = check_mask(
-        case.q,
-        where="test",
-        **{"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0, **mask},
-    )  # type: ignore[arg-type]
+def _heads_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` stored as ``(H, T, D)`` (with NaN rows around it) and permuted back to ``(T, H, D)``."""
+    t, h, d = x.shape
+    buf = torch.full((h, t + 2, d), float("nan"), dtype=x.dtype)
+    buf[:, 1 : t + 1] = x.transpose(0, 1)
+    return buf[:, 1 : t + 1].transpose(0, 1)
+
+
+def _last_dim_stride_2(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as every other element of a NaN buffer twice as wide: last-dim stride 2."""
+    buf = torch.full((*x.shape[:2], 2 * x.shape[2]), float("nan"), dtype=x.dtype)
+    buf[..., ::2] = x
+    return buf[..., ::2]
+
+
+STRIDES = ("heads_major", "last_dim_stride_2", "kv_broadcast")
+
+
+def restride(case: Case, strides: str) -> Case:
+    """``case`` with other strides: one of :data:`STRIDES`. ``kv_broadcast`` replaces K/V by their first
+    head expanded along the head axis (stride 0), so its values differ from ``case``'s."""
+    if strides == "kv_broadcast":
+        k, v = case.k[:, :1].expand_as(case.k), case.v[:, :1].expand_as(case.v)
+        return Case(case.q, k, v, case.cu_q, case.cu_k)
+    f = {"heads_major": _heads_major, "last_dim_stride_2": _last_dim_stride_2}[strides]
+    return Case(f(case.q), f(case.k), f(case.v), case.cu_q, case.cu_k)
+
+
+def case_inputs(case: Case, return_lse: bool = False, **mask: object) -> AttentionInputs:
+    options = {"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0, **mask}
+    spec = check_mask(case.q, where="test", **options)  # type: ignore[arg-type]
     layout = SeqLayout.build(*case.tensors(), case.q.shape[0], case.k.shape[0])
-    return reasons(BACKENDS[name], AttentionInputs(case.q, case.k, case.v, layout, spec, return_lse))
+    return AttentionInputs(case.q, case.k, case.v, layout, spec, return_lse)
+
+
+def backend_reasons(name: str, case: Case, return_lse: bool, **mask: object) -> list[str]:
+    return reasons(BACKENDS[name], case_inputs(case, return_lse, **mask))
+
+
+_SMALL = make_case([3, 0, 2], [2, 4, 0], hq=2, hkv=1, d=8)
+
+
+def supported(name: str, *, return_lse: bool = False, **mask: object) -> bool:
+    """Whether backend ``name`` runs these options, from its ``supports()`` on a small CPU case: decided by
+    the options alone, so it is safe at collection time (nothing about this machine's hardware)."""
+    return not BACKENDS[name].supports(case_inputs(_SMALL, return_lse, **mask))
+
+
+def backend_mask_params(masks: dict[str, dict[str, object]], *, runs: bool = True) -> list[object]:
+    """``(backend, mask name)`` parameters for the pairs where the backend runs (``runs``) or refuses the mask."""
+    return [pytest.param(b, m, id=f"{m}-{b}") for m in masks for b in BACKEND_NAMES if supported(b, **masks[m]) == runs]
+
+
+def assert_matches_oracle(
+    case: Case,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    **mask: object,
+) -> None:
+    """``out`` (and ``lse``) against the float64 oracle, allowing twice plain PyTorch's error in q's dtype."""
+    args = (case.q, case.k, case.v, case.cu_q, case.cu_k)
+    ref_out, ref_lse = oracle(*args, **mask)
+    pt_out, pt_lse = attention_naive(*args, **mask)  # type: ignore[arg-type]
+    assert out.dtype == case.q.dtype and out.is_contiguous()
+    assert_close_to_oracle(out, ref_out, pt_out, name="out")
+    if lse is not None:
+        lse_dtype = compute_dtype(case.q.dtype)
+        assert lse.dtype == lse_dtype and lse.shape == (case.q.shape[1], case.q.shape[0])
+        assert_close_to_oracle(lse, ref_lse, pt_lse, name="lse", floor=1e-5 if lse_dtype == torch.float32 else None)
+
+
+def attend(
+    name: str | None,
+    case: Case,
+    *,
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    host: bool = False,
+    **mask: object,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, lse)`` of backend ``name`` (None: default dispatch) on ``case``; ``lse`` is None when the
+    backend returns none. ``offsets`` replace ``case.tensors()``; ``host`` passes the host copies too."""
+    with_lse = name is None or supported(name, return_lse=True, **mask)
+    copies = {"cu_seqlens_q_host": case.cu_q, "cu_seqlens_k_host": case.cu_k} if host else {}
+    res = packattn.varlen_attention(
+        case.q, case.k, case.v, *(offsets or case.tensors()), return_lse=with_lse, backend=name, **copies, **mask
+    )
+    return res if with_lse else (res, None)
 
 
 def check_forward(name: str, case: Case, **mask: object) -> None:
     """Run backend ``name`` (with LSE when it can) and compare with the oracle and plain PyTorch."""
-    return_lse = not backend_reasons(name, case, True, **mask)
-    cu_q, cu_k = case.tensors()
     q0, k0, v0 = case.q.clone(), case.k.clone(), case.v.clone()
-    res = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, return_lse=return_lse, backend=name, **mask)
-    out, lse = res if return_lse else (res, None)
+    out, lse = attend(name, case, **mask)
     for a, b in ((case.q, q0), (case.k, k0), (case.v, v0)):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), "inputs were modified"
-    ref_out, ref_lse = oracle(case.q, case.k, case.v, case.cu_q, case.cu_k, **mask)
-    pt_out, pt_lse = attention_naive(case.q, case.k, case.v, case.cu_q, case.cu_k, **mask)
-    assert out.dtype == case.q.dtype and out.is_contiguous()
-    assert_close_to_oracle(out, ref_out, pt_out, name="out")
-    if lse is not None:
-        expected_dtype = torch.float64 if case.q.dtype == torch.float64 else torch.float32
-        assert lse.dtype == expected_dtype and lse.shape == (case.q.shape[1], case.q.shape[0])
-        assert_close_to_oracle(lse, ref_lse, pt_lse, name="lse", floor=1e-5 if lse.dtype == torch.float32 else None)
+    assert_matches_oracle(case, out, lse, **mask)
 
 
-def check_backward(name: str, case: Case, *, with_lse: bool = True, **mask: object) -> None:
-    """Gradients of q, k, v (through out and, if ``with_lse``, LSE) against the oracle's."""
-    cu_q, cu_k = case.tensors()
+def check_backward(name: str, case: Case, **mask: object) -> None:
+    """Gradients of q, k, v (through out and, when the backend returns it, LSE) against the oracle's.
+
+    ``case`` comes from ``make_case(..., requires_grad=True)``: q, k, v are NaN-poisoned strided views of
+    leaf buffers that require grad, and the gradients are taken with respect to those views.
+    """
+    leaves = (case.q, case.k, case.v)
+    assert all(t.requires_grad and not t.is_leaf for t in leaves)
     gen = torch.Generator().manual_seed(1)
-    leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
     dout = torch.randn(case.q.shape[0], case.q.shape[1], case.v.shape[2], generator=gen, dtype=torch.float64)
     dlse = torch.randn(case.q.shape[1], case.q.shape[0], generator=gen, dtype=torch.float64)
+    out, lse = attend(name, case, **mask)
+    with_lse = lse is not None  # a backend without LSE gets its gradients through out only
 
-    def loss(out: torch.Tensor, lse: torch.Tensor | None) -> torch.Tensor:
-        total = (out.double() * dout).sum()
-        if with_lse and lse is not None:
-            total = total + (lse.double().nan_to_num(0.0, 0.0, 0.0) * dlse).sum()
-        return total
+    def loss(o: torch.Tensor, o_lse: torch.Tensor) -> torch.Tensor:
+        total = (o.double() * dout).sum()
+        return total + (o_lse.double().nan_to_num(0.0, 0.0, 0.0) * dlse).sum() if with_lse else total
 
-    res = packattn.varlen_attention(*leaves, cu_q, cu_k, return_lse=with_lse, backend=name, **mask)
-    out, lse = res if with_lse else (res, None)
     got = torch.autograd.grad(loss(out, lse), leaves)
 
-    def grads(dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-        xs = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-        o, lse_ = attention_naive(*xs, case.cu_q, case.cu_k, dtype=dtype, **mask)  # type: ignore[arg-type]
+    def grads(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        xs = [t.detach().to(dtype, copy=True).requires_grad_() for t in leaves]
+        o, lse_ = attention_naive(*xs, case.cu_q, case.cu_k, **mask)  # type: ignore[arg-type]
         return torch.autograd.grad(loss(o, lse_), xs, allow_unused=True)
 
-    for n, g, r, b in zip("qkv", got, grads(torch.float64), grads(None)):
+    for n, g, r, b in zip("qkv", got, grads(torch.float64), grads(case.q.dtype)):
         assert g.shape == r.shape and g.dtype == case.q.dtype
         assert_close_to_oracle(g, r, b, name=f"d{n}")

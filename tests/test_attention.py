@@ -1,4 +1,4 @@
-"""Every backend against the float64 oracle: dtypes, layouts, masks, gradients."""
+"""Every backend against the float64 oracle: dtypes, layouts, strides, masks, gradients, memory."""
 
 from __future__ import annotations
 
@@ -6,11 +6,23 @@ import pytest
 import torch
 
 import packattn
-from packattn.dispatch import BACKENDS
+from packattn.backends import reference
+from packattn.testing import attention_naive
 
-from .helpers import backend_reasons, check_backward, check_forward, make_case
+from .helpers import (
+    BACKEND_NAMES,
+    STRIDES,
+    assert_matches_oracle,
+    attend,
+    backend_mask_params,
+    backend_reasons,
+    check_backward,
+    check_forward,
+    make_case,
+    restride,
+    supported,
+)
 
-BACKEND_NAMES = sorted(BACKENDS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 # (query lengths, key lengths): named patterns, empty sides and odd sizes included.
@@ -19,6 +31,9 @@ PATTERNS = {
     "design_example": ([5, 0, 7], [9, 8, 8]),
     "empty_k_side": ([4, 6, 3], [5, 0, 3]),
     "empty_both": ([0, 5, 0], [0, 5, 0]),
+    "no_queries_at_all": ([0, 0], [3, 5]),
+    "no_keys_at_all": ([4, 2], [0, 0]),
+    "nothing_at_all": ([0, 0, 0], [0, 0, 0]),
     "length_one": ([1, 1, 2], [1, 3, 1]),
     "lq_gt_lk": ([9, 17], [4, 3]),
     "one_long": ([300], [300]),
@@ -32,50 +47,74 @@ MASKS = {
     "causal": {"causal": True},
     "window": {"window_size": (3, 2)},
     "window_causal": {"window_size": (4, -1), "causal": True},
-    "left_only": {"window_size": (-1, 1)},
-    "right_band": {"window_size": (-1, 4)},
+    "right_band_1": {"window_size": (-1, 1)},
+    "right_band_4": {"window_size": (-1, 4)},
     "softcap": {"softcap": 2.5},
     "scale": {"softmax_scale": 0.3},
 }
+# The refusals the backends owe (fragments of their reasons); every other (backend, mask) pair runs.
+REFUSALS = {
+    ("window", "sdpa"): "no sliding window (window_size=(3, 2))",
+    ("window_causal", "sdpa"): "no sliding window (window_size=(4, 0))",
+    ("right_band_1", "sdpa"): "no sliding window (window_size=(-1, 1))",
+    ("right_band_4", "sdpa"): "no sliding window (window_size=(-1, 4))",
+    ("softcap", "sdpa"): "no soft-capping (softcap=2.5)",
+}
 
 
-def _run_or_explain(name, case, **mask):
-    """A backend either matches the oracle or refuses with its reasons; it never does something else."""
-    why = backend_reasons(name, case, False, **mask)
-    if why:
-        cu_q, cu_k = case.tensors()
-        with pytest.raises(ValueError, match=f"backend={name!r} cannot run"):
-            packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, backend=name, **mask)
-        return False
-    check_forward(name, case, **mask)
-    return True
+def pairs(*names: str) -> list[object]:
+    """``(backend, mask)`` parameters for the named masks, only where the backend runs them."""
+    return backend_mask_params({n: MASKS[n] for n in names})
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize("mask", MASKS, ids=list(MASKS))
-@pytest.mark.parametrize("pattern", PATTERNS, ids=list(PATTERNS))
-def test_patterns_fp32(backend, pattern, mask):
+@pytest.mark.parametrize(("backend", "mask"), pairs(*MASKS))
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_patterns_fp32(backend, mask, pattern):
     lens_q, lens_k = PATTERNS[pattern]
-    _run_or_explain(backend, make_case(lens_q, lens_k), **MASKS[mask])
+    check_forward(backend, make_case(lens_q, lens_k), **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
-@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap"])
-def test_dtypes(backend, dtype, mask):
+def test_backends_refuse_masks_they_cannot_run_with_their_reasons():
+    refused = {(p.values[1], p.values[0]) for p in backend_mask_params(MASKS, runs=False)}
+    assert refused == set(REFUSALS)
+    case = make_case([5, 0, 7], [9, 8, 8])
+    cu_q, cu_k = case.tensors()
+    for (mask, name), fragment in REFUSALS.items():
+        why = backend_reasons(name, case, False, **MASKS[mask])
+        with pytest.raises(ValueError) as info:
+            packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, backend=name, **MASKS[mask])
+        assert str(info.value) == f"varlen_attention: backend={name!r} cannot run these inputs: " + "; ".join(why)
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal", "window", "softcap"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes(backend, mask, dtype):
     case = make_case([37, 0, 64, 64, 530], [50, 9, 64, 64, 600], hq=4, hkv=1, d=64, dtype=DTYPES[dtype], seed=3)
-    _run_or_explain(backend, case, **MASKS[mask])
+    check_forward(backend, case, **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal"))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("dims", [(32, 32), (48, 16), (16, 40)], ids=["d32", "dv_smaller", "dv_larger"])
-def test_heads_and_dims(backend, heads, dims):
+def test_heads_and_dims(backend, mask, heads, dims):
     hq, hkv = heads
     d, dv = dims
-    case = make_case([12, 1, 30], [12, 19, 30], hq=hq, hkv=hkv, d=d, dv=dv)
-    assert _run_or_explain(backend, case, causal=True)
-    assert _run_or_explain(backend, case)
+    check_forward(backend, make_case([12, 1, 30], [12, 19, 30], hq=hq, hkv=hkv, d=d, dv=dv), **MASKS[mask])
+
+
+@pytest.mark.parametrize(
+    ("backend", "mask", "strides"),
+    [
+        pytest.param(*p.values, s, id=f"{p.id}-{s}")
+        for p in pairs("full", "causal", "window", "right_band_1")
+        for s in STRIDES
+    ],
+)
+def test_any_strides(backend, mask, strides):
+    # Runs of equal lengths (batched views on the cpu backend), empty sides and a single query.
+    case = make_case([16, 16, 5, 0, 9, 1], [16, 16, 7, 3, 0, 4], hq=4, hkv=2, d=16, seed=4)
+    check_forward(backend, restride(case, strides), **MASKS[mask])
 
 
 def test_long_sequence_crosses_many_tiles():
@@ -85,70 +124,124 @@ def test_long_sequence_crosses_many_tiles():
         check_forward("reference", case, **mask)
 
 
-def test_rows_without_keys_are_zero_and_minus_inf():
-    case = make_case([6, 3], [2, 0])
-    cu_q, cu_k = case.tensors()
-    out, lse = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, causal=True, return_lse=True)
-    # Sequence 0: Lq=6, Lk=2, bottom-right causal: rows 0-3 see nothing. Sequence 1 has no keys at all.
-    hidden = torch.tensor([1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
-    assert torch.all(out[hidden] == 0)
-    assert torch.all(lse[:, hidden] == float("-inf"))
-    assert torch.isfinite(lse[:, ~hidden]).all() and not torch.isnan(out).any()
+# Sequence 0 has Lq=6 > Lk=2, so the bottom-right masks hide its first rows; sequence 1 has no keys.
+HIDDEN_ROWS_OF_SEQ0 = {"causal": 4, "window": 2, "right_band_1": 3}
 
 
-def test_default_dispatch_matches_oracle_without_host_copies_and_with():
+@pytest.mark.parametrize(("backend", "mask"), pairs(*HIDDEN_ROWS_OF_SEQ0))
+def test_rows_without_keys_are_zero_and_minus_inf(backend, mask):
+    case = make_case([6, 3, 2], [2, 0, 5])
+    n = HIDDEN_ROWS_OF_SEQ0[mask]
+    hidden = torch.tensor([1] * n + [0] * (6 - n) + [1, 1, 1, 0, 0], dtype=torch.bool)
+    out, lse = attend(backend, case, **MASKS[mask])
+    assert torch.all(out[hidden] == 0) and torch.isfinite(out).all()
+    if lse is not None:
+        assert torch.all(lse[:, hidden] == float("-inf")) and torch.isfinite(lse[:, ~hidden]).all()
+    assert_matches_oracle(case, out, lse, **MASKS[mask])
+
+
+@pytest.mark.parametrize("backend", [None, *BACKEND_NAMES], ids=["default", *BACKEND_NAMES])
+def test_offsets_without_host_copies_with_them_and_on_meta(backend):
+    """Host copies are trusted: with them, offsets on the meta device (which hold no values) work."""
     case = make_case([5, 0, 7], [9, 8, 8], hq=4, hkv=2, d=64, dv=32)
-    cu_q, cu_k = case.tensors()
-    a = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, causal=True)
-    b = packattn.varlen_attention(
-        case.q, case.k, case.v, cu_q, cu_k, causal=True, cu_seqlens_q_host=case.cu_q, cu_seqlens_k_host=case.cu_k
-    )
-    assert torch.equal(a, b)
-    check_forward("reference", case, causal=True)
+    meta = tuple(t.to("meta") for t in case.tensors())
+    runs = [attend(backend, case, causal=True), attend(backend, case, host=True, causal=True)]
+    runs.append(attend(backend, case, offsets=meta, host=True, causal=True))
+    for out, lse in runs:
+        assert_matches_oracle(case, out, lse, causal=True)
+        assert torch.equal(out, runs[0][0])
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+EQUIVALENT_MASKS = {
+    "causal": ({"causal": True}, {"window_size": (-1, 0)}),
+    "causal_left_3": ({"causal": True, "window_size": (3, -1)}, {"window_size": (3, 0)}),
+}
+
+
+@pytest.mark.parametrize(
+    ("backend", "masks"),
+    [
+        pytest.param(b, m, id=f"{m}-{b}")
+        for m, pair in EQUIVALENT_MASKS.items()
+        for b in BACKEND_NAMES
+        if all(supported(b, **mask) for mask in pair)
+    ],
+)
+def test_causal_is_exactly_right_window_zero(backend, masks):
+    case = make_case([6, 3, 9, 0, 1], [2, 7, 9, 4, 5])
+    causal, window = EQUIVALENT_MASKS[masks]
+    (out, lse), (out_w, lse_w) = attend(backend, case, **causal), attend(backend, case, **window)
+    assert torch.equal(out, out_w)
+    assert (lse is None and lse_w is None) or torch.equal(lse, lse_w)
+    assert_matches_oracle(case, out, lse, **causal)
+
+
+# Gradients --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal", "window", "softcap"))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_backward_matches_oracle(backend, mask, dtype):
-    case = make_case([9, 0, 20, 3], [14, 6, 20, 0], hq=4, hkv=2, d=16, dv=24, dtype=DTYPES[dtype], seed=7)
-    if backend_reasons(backend, case, False, **MASKS[mask]):
-        pytest.skip(f"{backend} does not run this mask (its refusal is tested in test_patterns_fp32)")
-    with_lse = not backend_reasons(backend, case, True, **MASKS[mask])
-    check_backward(backend, case, with_lse=with_lse, **MASKS[mask])
+    case = make_case(
+        [9, 0, 20, 3], [14, 6, 20, 0], hq=4, hkv=2, d=16, dv=24, dtype=DTYPES[dtype], seed=7, requires_grad=True
+    )
+    check_backward(backend, case, **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])  # cpu's backward is the reference one
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "right_band_1"])
+def test_backward_across_tiles(backend, mask, monkeypatch):
+    """Tiles of 4 queries x 8 keys: every sequence spans several, some fully hidden, some partly."""
+    monkeypatch.setattr(reference, "BLOCK_Q", 4)
+    monkeypatch.setattr(reference, "BLOCK_K", 8)
+    case = make_case([13, 0, 22, 5, 9], [6, 7, 30, 0, 9], hq=4, hkv=2, d=16, seed=9, requires_grad=True)
+    check_backward(backend, case, **MASKS[mask])
+
+
+@pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal", "window", "softcap"))
 @pytest.mark.parametrize("dv", [4, 3], ids=["dv_eq_d", "dv_ne_d"])
 def test_gradcheck_float64(backend, mask, dv):
-    case = make_case([3, 0, 4, 2], [4, 2, 4, 0], hq=2, hkv=1, d=4, dv=dv, dtype=torch.float64, seed=11)
-    if backend_reasons(backend, case, False, **MASKS[mask]):
-        pytest.skip(f"{backend} does not run this mask (its refusal is tested in test_patterns_fp32)")
-    with_lse = not backend_reasons(backend, case, True, **MASKS[mask])
+    case = make_case(
+        [3, 0, 4, 2], [4, 2, 4, 0], hq=2, hkv=1, d=4, dv=dv, dtype=torch.float64, seed=11, requires_grad=True
+    )
+    with_lse = supported(backend, return_lse=True, **MASKS[mask])
     cu_q, cu_k = case.tensors()
-    leaves = tuple(t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v))
 
     def f(q, k, v):
         res = packattn.varlen_attention(q, k, v, cu_q, cu_k, return_lse=with_lse, backend=backend, **MASKS[mask])
         return (res[0], res[1].nan_to_num(0.0, 0.0, 0.0)) if with_lse else res
 
-    assert torch.autograd.gradcheck(f, leaves)
+    assert torch.autograd.gradcheck(f, (case.q, case.k, case.v))
+
+
+# Memory -----------------------------------------------------------------------------------------------
+
+# An eighth of one fp32 score matrix for all heads at L = 4096 (4 x 4096 x 4096 x 4 bytes = 256 MiB).
+SCORES_BOUND_MIB = 4 * 4096 * 4096 * 4 / 2**20 / 8
+
+
+def _peak_extra_mib(run, length: int) -> float:
+    """Peak memory beyond the output of ``run(case, cu_q, cu_k)`` on one sequence of ``length`` tokens."""
+    from packattn.bench.runner import peak_extra_mib
+
+    case = make_case([length], [length], hq=4, hkv=4, d=32, seed=2)
+    cu_q, cu_k = case.tensors()
+    return peak_extra_mib(lambda: run(case, cu_q, cu_k), length * 4 * 32 * 4)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_memory_grows_linearly_without_score_matrices(backend):
     """Peak memory beyond the output, for one long sequence: no (L, L) score matrix, linear growth."""
-    from packattn.bench.runner import peak_extra_mib
-
-    peaks = {}
-    for length in (2048, 4096):
-        case = make_case([length], [length], hq=4, hkv=4, d=32, seed=2)
-        cu_q, cu_k = case.tensors()
-        out_bytes = length * 4 * 32 * 4
-        peaks[length] = peak_extra_mib(
-            lambda c=case, a=cu_q, b=cu_k: packattn.varlen_attention(c.q, c.k, c.v, a, b, backend=backend), out_bytes
-        )
-    scores_mib = 4 * 4096 * 4096 * 4 / 2**20  # one fp32 score matrix for all heads: 256 MiB
-    assert peaks[4096] < scores_mib / 8, peaks
+    peaks = {
+        n: _peak_extra_mib(lambda c, a, b: packattn.varlen_attention(c.q, c.k, c.v, a, b, backend=backend), n)
+        for n in (2048, 4096)
+    }
+    assert min(peaks.values()) > 0, peaks  # the profiler saw the call's allocations
+    assert peaks[4096] < SCORES_BOUND_MIB, peaks
     assert peaks[4096] < 2.5 * max(peaks[2048], 1.0), peaks
+
+
+def test_memory_measurement_sees_a_score_matrix():
+    """Control: the naive computation, which builds (H, L, L) scores, breaks the bound at half the length."""
+    naive = _peak_extra_mib(lambda c, a, b: attention_naive(c.q, c.k, c.v, c.cu_q, c.cu_k), 2048)
+    assert naive > SCORES_BOUND_MIB, naive

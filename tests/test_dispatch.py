@@ -12,11 +12,10 @@ import torch
 import packattn
 from packattn import cli, dispatch
 from packattn.backends import ALL
-from packattn.inputs import AttentionInputs, check_mask
-from packattn.layout import SeqLayout
+from packattn.inputs import AttentionInputs
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
-from .helpers import Case, backend_reasons, make_case
+from .helpers import Case, backend_reasons, case_inputs, make_case
 
 
 def fake_backend(name: str, *, missing: str | None = None, refuse: list[str] | None = None) -> SimpleNamespace:
@@ -65,13 +64,6 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         monkeypatch.setattr(backend, "forward", spy)
     return calls
-
-
-def case_inputs(case: Case, return_lse: bool = False, **mask: object) -> AttentionInputs:
-    options = {"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0, **mask}
-    spec = check_mask(case.q, where="test", **options)
-    layout = SeqLayout.build(*case.tensors(), case.q.shape[0], case.k.shape[0])
-    return AttentionInputs(case.q, case.k, case.v, layout, spec, return_lse)
 
 
 CASE = make_case([5, 0, 7], [9, 8, 8], hq=4, hkv=2, d=16, dv=8)

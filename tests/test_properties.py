@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import packattn
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
-from .helpers import make_case, offsets
+from .helpers import make_case, offsets, supported
 
 BOUNDED = settings(
     max_examples=80,
@@ -42,8 +42,9 @@ def layouts(draw: st.DrawFn) -> Layout:
     lens = st.lists(st.integers(0, 40), min_size=batch, max_size=batch)
     hq, hkv = draw(st.sampled_from([(1, 1), (2, 1), (4, 2)]))
     causal = draw(st.booleans())
-    left = draw(st.integers(-1, 12))
-    right = draw(st.integers(-1, 0) if causal else st.integers(-1, 12))
+    bound = st.one_of(st.just(-1), st.integers(0, 12))  # unbounded half the time, so sdpa runs often
+    left = draw(bound)
+    right = draw(st.integers(-1, 0) if causal else bound)
     mask: dict[str, Any] = {"causal": causal, "window_size": (left, right)}
     mask["softcap"] = draw(st.one_of(st.just(0.0), st.floats(0.5, 50.0)))
     if draw(st.booleans()):
@@ -82,6 +83,9 @@ def test_random_layouts_match_oracle(layout):
         assert lse.dtype == torch.float32 and lse.shape == (layout.hq, case.q.shape[0])
         assert_close_to_oracle(out, ref_out, pt_out, name=f"{backend or 'default'} out")
         assert_close_to_oracle(lse, ref_lse, pt_lse, name=f"{backend or 'default'} lse", floor=1e-5)
+    if supported("sdpa", **mask):  # no LSE, window or softcap: sdpa takes the rest
+        out = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, backend="sdpa", **mask)
+        assert_close_to_oracle(out, ref_out, pt_out, name="sdpa out")
 
 
 # Malformed offsets ------------------------------------------------------------------------------------
@@ -92,11 +96,13 @@ SIDES = {"q": "cu_seqlens_q", "k": "cu_seqlens_k"}
 @dataclass(frozen=True)
 class Malformed:
     kwargs: dict[str, Any]
+    error: type[Exception]  # exactly this type
     expect: str  # a fragment the message must contain besides "varlen_attention:" and "cu_seqlens"
 
 
-def _mutate_offsets(draw: st.DrawFn, cu: list[int]) -> tuple[object, str]:
-    """A malformed replacement for the offsets ``cu`` (device tensor), and the expected message fragment."""
+def _mutate_offsets(draw: st.DrawFn, cu: list[int]) -> tuple[object, type[Exception], str]:
+    """A malformed replacement for the offsets ``cu`` (device tensor), the expected exception type and
+    message fragment."""
     kind = draw(
         st.sampled_from(
             ["decreasing", "start", "end", "sequences", "dtype", "ndim", "too_short", "not_tensor"]
@@ -109,14 +115,14 @@ def _mutate_offsets(draw: st.DrawFn, cu: list[int]) -> tuple[object, str]:
     if kind == "decreasing":
         i = draw(st.integers(1, len(cu) - 2))
         cu[i] = cu[i + 1] + draw(st.integers(1, 10))
-        return torch.tensor(cu, dtype=dtype), "must be non-decreasing"
+        return torch.tensor(cu, dtype=dtype), ValueError, "must be non-decreasing"
     if kind == "start":
         cu[0] = draw(st.integers(-10, 10).filter(bool))
-        return torch.tensor(cu, dtype=dtype), "must start at 0"
+        return torch.tensor(cu, dtype=dtype), ValueError, "must start at 0"
     if kind == "end":
         last = cu[-1] - cu[-2]
         cu[-1] += draw(st.integers(-last, 10).filter(bool) if last else st.integers(1, 10))
-        return torch.tensor(cu, dtype=dtype), "must end at"
+        return torch.tensor(cu, dtype=dtype), ValueError, "must end at"
     if kind == "sequences":
         # Valid on its own, but describes a different number of sequences than the other side.
         if len(cu) > 2 and draw(st.booleans()):
@@ -124,21 +130,23 @@ def _mutate_offsets(draw: st.DrawFn, cu: list[int]) -> tuple[object, str]:
         else:
             cu.insert(draw(st.integers(1, len(cu) - 1)), cu[-1] if draw(st.booleans()) else cu[0])
             cu.sort()
-        return torch.tensor(cu, dtype=dtype), "must describe the same number of sequences"
+        return torch.tensor(cu, dtype=dtype), ValueError, "must describe the same number of sequences"
     if kind == "dtype":
         bad = draw(st.sampled_from([torch.int16, torch.uint8, torch.int8, torch.float32, torch.float64, torch.bool]))
-        return torch.tensor(cu).to(bad), "must have dtype int32 or int64"
+        return torch.tensor(cu).to(bad), TypeError, "must have dtype int32 or int64"
     if kind == "ndim":
         t = torch.tensor(cu, dtype=dtype)
-        return draw(st.sampled_from([t[None], t[:, None], t.reshape(1, 1, -1), torch.tensor(cu[-1])])), "must be 1-D"
+        bad = draw(st.sampled_from([t[None], t[:, None], t.reshape(1, 1, -1), torch.tensor(cu[-1])]))
+        return bad, ValueError, "must be 1-D"
     if kind == "too_short":
-        return torch.tensor(draw(st.sampled_from([[], [cu[-1]]])), dtype=dtype), "must have at least 2 entries"
+        short = torch.tensor(draw(st.sampled_from([[], [cu[-1]]])), dtype=dtype)
+        return short, ValueError, "must have at least 2 entries"
     bad = draw(st.sampled_from([cu, tuple(cu), None]))
-    return bad, "must be a torch.Tensor" if bad is not None else "is required"
+    return bad, TypeError, "must be a torch.Tensor" if bad is not None else "is required"
 
 
-def _mutate_host(draw: st.DrawFn, cu: list[int]) -> tuple[object, str]:
-    """A malformed host copy of the valid offsets ``cu``, and the expected message fragment."""
+def _mutate_host(draw: st.DrawFn, cu: list[int]) -> tuple[object, type[Exception], str]:
+    """A malformed host copy of the valid offsets ``cu``, the expected exception type and message fragment."""
     kind = draw(st.sampled_from(["length", "tensor", "not_ints", "end", "start", "decreasing", "not_iterable"]))
     host = list(cu)
     if kind == "length":
@@ -146,26 +154,26 @@ def _mutate_host(draw: st.DrawFn, cu: list[int]) -> tuple[object, str]:
             host.append(host[-1])
         else:
             host.pop(draw(st.integers(1, len(host) - 1)))
-        return host, "must have the same length as"
+        return host, ValueError, "must have the same length as"
     if kind == "tensor":
-        return torch.tensor(host), "got a torch.Tensor"
+        return torch.tensor(host), TypeError, "got a torch.Tensor"
     if kind == "not_ints":
         host[draw(st.integers(0, len(host) - 1))] = draw(st.sampled_from([1.0, "3", None, True, 2.5]))
-        return host, "must hold only Python ints"
+        return host, TypeError, "must hold only Python ints"
     if kind == "end":
         host[-1] += draw(st.integers(1, 10))
-        return host, "must end at"
+        return host, ValueError, "must end at"
     if kind == "start":
         host[0] = draw(st.integers(1, 10))
-        return host, "must start at 0"
+        return host, ValueError, "must start at 0"
     if kind == "decreasing":
         if len(host) < 3:
             host = [0, host[-1] + 1, host[-1]]
-            return host, "must have the same length as"
+            return host, ValueError, "must have the same length as"
         i = draw(st.integers(1, len(host) - 2))
         host[i] = host[i + 1] + draw(st.integers(1, 10))
-        return host, "must be non-decreasing"
-    return draw(st.sampled_from([7, 3.5, object()])), "must be a list/tuple of ints"
+        return host, ValueError, "must be non-decreasing"
+    return draw(st.sampled_from([7, 3.5, object()])), TypeError, "must be a list/tuple of ints"
 
 
 @st.composite
@@ -187,21 +195,21 @@ def malformed(draw: st.DrawFn) -> Malformed:
     if draw(st.booleans()):
         kwargs[other + "_host"] = list(cus["k" if side == "q" else "q"])
     if draw(st.booleans()):
-        kwargs[name], expect = _mutate_offsets(draw, cus[side])
+        kwargs[name], error, expect = _mutate_offsets(draw, cus[side])
         if expect == "must describe the same number of sequences" and draw(st.booleans()):
             kwargs[name + "_host"] = kwargs[name].tolist()
     else:
-        kwargs[name + "_host"], expect = _mutate_host(draw, cus[side])
-    return Malformed(kwargs, expect)
+        kwargs[name + "_host"], error, expect = _mutate_host(draw, cus[side])
+    return Malformed(kwargs, error, expect)
 
 
 @BOUNDED
 @given(malformed())
 def test_malformed_offsets_are_rejected(case):
     snapshot = {n: t.clone() for n, t in case.kwargs.items() if isinstance(t, torch.Tensor)}
-    with pytest.raises((TypeError, ValueError)) as info:
+    with pytest.raises(case.error) as info:
         packattn.varlen_attention(**case.kwargs)
-    assert type(info.value) in (TypeError, ValueError)
+    assert type(info.value) is case.error
     message = str(info.value)
     assert message.startswith("varlen_attention: ") and "cu_seqlens" in message, message
     assert case.expect in message, f"{case.expect!r} not in {message!r}"

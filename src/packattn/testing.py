@@ -114,8 +114,8 @@ def assert_close_to_oracle(
     """Assert ``|actual - expected| <= factor * |baseline - expected| + floor`` (max over elements).
 
     ``expected`` is the float64 oracle and ``baseline`` plain PyTorch in ``actual``'s dtype. Infinities must
-    match exactly and NaN never passes. ``floor`` defaults to a rounding floor of ``actual``'s dtype scaled
-    by the magnitude of ``expected``.
+    match exactly and NaN never passes, nor does a baseline without a finite error. ``floor`` defaults to a
+    rounding floor of ``actual``'s dtype scaled by the magnitude of ``expected``.
     """
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != oracle's {tuple(expected.shape)}")
@@ -127,6 +127,8 @@ def assert_close_to_oracle(
     scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
     floor = _FLOOR.get(actual.dtype, 1e-6) * scale if floor is None else floor
     err = Error(_max_abs_diff(actual, expected), _max_abs_diff(baseline, expected), 0.0)
+    if not math.isfinite(err.baseline):
+        raise AssertionError(f"{name}: the baseline has NaN or other infinities than the oracle: no tolerance")
     err = Error(err.actual, err.baseline, factor * err.baseline + floor)
     if not err.ok:
         raise AssertionError(
