@@ -1,9 +1,9 @@
 """Fast exact attention on CPU, built on PyTorch's fused CPU flash-attention kernel.
 
-``aten::_scaled_dot_product_flash_attention_for_cpu`` computes in fp32 blocks for every dtype (so bf16 and
-fp16 avoid this CPU's slow low-precision matmuls), takes strided ``(B, H, L, D)`` views of the packed
-tensors without copies and returns the LSE. This module maps a packed batch onto as few, as well-shaped
-calls of it as it can:
+``aten::_scaled_dot_product_flash_attention_for_cpu`` accumulates in fp32 blocks for fp32/bf16/fp16 (fp64 in
+fp64): bf16 and fp16 use the CPU's matrix units where it has them (AMX) and never a slow plain low-precision
+matmul where it has not. It takes strided ``(B, H, L, D)`` views of the packed tensors without copies and
+returns the LSE. This module maps a packed batch onto as few, as well-shaped calls of it as it can:
 
 * Consecutive sequences of equal lengths are one batched call on a zero-copy view of the packed rows.
 * Without a mask, the ``G = Hq / Hkv`` query heads that share a key/value head are stacked along the query
