@@ -9,12 +9,14 @@ checks its own rows against the float64 oracle of the gathered batch with the co
 from __future__ import annotations
 
 import random
-import socket
+import re
 import traceback
 import types
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import torch.multiprocessing as mp
 
 from packattn import dispatch
 from packattn.backends import reference
+from packattn.bench import distributed as bench
 from packattn.bench.distributed import Setting, measure
 from packattn.distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
 from packattn.distributed.schedule import ring_schedule
@@ -47,17 +50,18 @@ MASKS: dict[str, dict[str, Any]] = {
     "causal_window_softcap": {"causal": True, "window_size": (5, -1), "softcap": 3.0},
 }
 METHODS = {"ring": ring_varlen_attention, "ulysses": ulysses_varlen_attention}
+GROUP_OBJECTS: dict[str, Any] = {}  # in a worker: group name -> its ProcessGroup (None: the default group)
 
 
 # ---------------------------------------------------------------- the worker pool
 
 
-def _worker(rank: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, rendezvous: str, tasks: Any, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORKERS, timeout=timedelta(seconds=60)
     )
-    groups = {name: None if ranks is None else dist.new_group(ranks) for name, ranks in GROUPS.items()}
+    GROUP_OBJECTS.update({name: None if ranks is None else dist.new_group(ranks) for name, ranks in GROUPS.items()})
     while (task := tasks.get()) is not None:
         name, group_name, kwargs = task
         members = GROUPS[group_name]
@@ -65,7 +69,7 @@ def _worker(rank: int, port: int, tasks: Any, results: Any) -> None:
             results.put((rank, None))
             continue
         try:
-            CASES[name](groups[group_name], **kwargs)
+            CASES[name](GROUP_OBJECTS[group_name], **kwargs)
             results.put((rank, None))
         except BaseException:
             results.put((rank, traceback.format_exc()))
@@ -73,15 +77,13 @@ def _worker(rank: int, port: int, tasks: Any, results: Any) -> None:
 
 
 class Cluster:
-    def __init__(self) -> None:
+    def __init__(self, tmp: Path) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        rendezvous = str(tmp / "rendezvous")  # a file in a fresh directory: no free port to race for
         self.tasks = [ctx.Queue() for _ in range(WORKERS)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, rendezvous, self.tasks[r], self.results), daemon=True)
             for r in range(WORKERS)
         ]
         for p in self.procs:
@@ -116,8 +118,8 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
     yield c
     c.close()
 
@@ -170,7 +172,8 @@ def case_matches_single_process(
     leaves = [plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)]
     leaves = [t.detach().requires_grad_() for t in leaves]
     out, lse = METHODS[method](*leaves, plan, group=group, return_lse=True, backend=backend, **opts)
-    assert out.dtype == c.q.dtype and lse.dtype == torch.float32 and lse.shape == (hq, plan.local_q)
+    lse_dtype = torch.float64 if c.q.dtype == torch.float64 else torch.float32
+    assert out.dtype == c.q.dtype and lse.dtype == lse_dtype and lse.shape == (hq, plan.local_q)
     got = (out, lse, *torch.autograd.grad(loss(out, lse, plan.shard_q(dout), plan.shard_q(dlse.T).T), leaves))
     select = [plan.shard_q, lambda t: plan.shard_q(t.T).T, plan.shard_q, plan.shard_k, plan.shard_k]
     for name, g, e, p, sel in zip(["out", "lse", "dq", "dk", "dv"], got, expected, plain, select, strict=True):
@@ -234,12 +237,115 @@ def case_errors(group: Any) -> None:
             fn(q, c.k, c.v, plan, group=group)
         with pytest.raises(TypeError, match="plan must be a ShardPlan"):
             fn(q, k, v, "plan", group=group)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"unshard_q: x_local must be a torch.Tensor, got list"):
+        plan.unshard_q([0.0], group=group)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unshard_k: x_local must have a row dimension, got a 0-d tensor"):
+        plan.unshard_k(torch.tensor(1.0), group=group)
+    with pytest.raises(ValueError, match=rf"unshard_k: x_local must hold this rank's {plan.local_k} k rows"):
+        plan.unshard_k(c.k, group=group)
+    with pytest.raises(ValueError, match=rf"unshard_q: plan was built for rank {(r + 1) % w}"):
+        other_rank.unshard_q(q, group=group)
     with pytest.raises(ValueError, match=r"backend='sdpa' cannot run .*returns no LSE"):
         ring_varlen_attention(q, k, v, plan, group=group, backend="sdpa")
     with pytest.raises(
         ValueError, match=rf"query heads \(q.shape\[1\] = 5\) must be divisible by the group size \({w}\)"
     ):
         ulysses_varlen_attention(q, k, v, plan, group=group)
+
+
+def case_not_a_member(group: Any) -> None:
+    """Global rank 0 calls with the group of ranks 1-3, which new_group gave it as a non-member."""
+    if dist.get_rank() != 0:
+        return
+    outside = GROUP_OBJECTS["ranks123"]
+    plan = ShardPlan.build([0, 6], [0, 6], world_size=3, rank=0)
+    x = torch.randn(plan.local_q, 3, 8)
+    match = r"this process \(global rank 0\) is not a member of group"
+    for fn in METHODS.values():
+        with pytest.raises(ValueError, match=match):
+            fn(x, x, x, plan, group=outside)
+    with pytest.raises(ValueError, match=match):
+        plan.unshard_q(x, group=outside)
+
+
+def _disagree(fn: Any, item: str, value: object, *args: Any, **kwargs: Any) -> None:
+    """``fn`` raises on every rank, naming ``item`` and this rank's ``value`` of it."""
+    r, w = dist.get_rank(kwargs["group"]), dist.get_world_size(kwargs["group"])
+    same = [w - 1] if r == w - 1 else list(range(w - 1))
+    detail = re.escape(f"{item} (this rank, {r}: {value!r}; the same on ranks {same}")
+    with pytest.raises(ValueError, match=f"ranks disagree on .*{detail}"):
+        fn(*args, **kwargs)
+
+
+def case_ranks_disagree(group: Any) -> None:
+    """The last rank of the group passes something different from the others: every rank raises, naming it.
+    A call on which all ranks agree checks once (one all-gather), never again."""
+    last = dist.get_rank(group) == dist.get_world_size(group) - 1
+    c = make_case(LENS_Q, LENS_K, hq=4, hkv=2, d=16, seed=1)
+    plan = _plan(group, LENS_Q, LENS_K, "zigzag")
+    q, k, v = plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)
+    for fn in METHODS.values():
+        _disagree(fn, "causal", last, q, k, v, plan, group=group, causal=last)
+        heads = 1 if last else 2
+        _disagree(fn, "key/value heads (k.shape[1])", heads, q, k[:, :heads], v[:, :heads], plan, group=group)
+    lens_q = [14, *LENS_Q[1:]] if last else LENS_Q
+    other = _plan(group, lens_q, LENS_K, "contiguous" if last else "zigzag")
+    d = make_case(lens_q, LENS_K, hq=4, hkv=2, d=16, seed=1)
+    args = (other.shard_q(d.q), other.shard_k(d.k), other.shard_k(d.v), other)
+    _disagree(ring_varlen_attention, "plan.balance", other.balance, *args, group=group)
+    _disagree(ring_varlen_attention, "plan.global_cu_seqlens_q", other.global_cu_seqlens_q, *args, group=group)
+    fn = METHODS["ulysses" if last else "ring"]
+    _disagree(fn, "the function", f"{fn.__name__}", q, k, v, plan, group=group)
+    x = q[..., :8] if last else q
+    _disagree(plan.unshard_q, "x_local.shape[1:]", tuple(x.shape[1:]), x, group=group)
+    with mock.patch("torch.distributed.all_gather", wraps=dist.all_gather) as all_gather:
+        for _ in range(3):
+            ring_varlen_attention(q, k, v, plan, group=group, window_size=(4, 4))
+    assert all_gather.call_count == 1
+
+
+def case_ring_skips_hidden_blocks(group: Any) -> None:
+    """The backend never runs a block that the causal mask hides: on a contiguous split rank r's queries
+    see the keys of ranks 0..r only, so forward and backward compute r + 1 blocks per sequence, not W."""
+    entries: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    def counting(name: str, fn: Any) -> Any:
+        def run(inp: Any, *args: Any) -> Any:
+            entries[name].append(sum((qe - qs) * (ke - ks) for qs, qe, ks, ke in inp.layout.sequences()))
+            return fn(inp, *args)
+
+        return run
+
+    spy = types.SimpleNamespace(
+        NAME="counting",
+        NATIVE_AUTOGRAD=False,
+        unavailable_reason=lambda: None,
+        supports=reference.supports,
+        forward=counting("forward", reference.forward),
+        backward=counting("backward", reference.backward),
+    )
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    plan = ShardPlan.build([0, 64, 128], [0, 64, 128], world_size=w, rank=r, balance="contiguous")
+    x = torch.randn(plan.local_q, 2, 8, requires_grad=True)
+    dispatch.BACKENDS["counting"] = spy  # type: ignore[assignment]
+    try:
+        ring_varlen_attention(x, x, x, plan, group=group, causal=True, backend="counting").sum().backward()
+    finally:
+        del dispatch.BACKENDS["counting"]
+    block = (64 // w) ** 2
+    assert sum(entries["forward"]) == sum(entries["backward"]) == 2 * (r + 1) * block, entries
+
+
+def case_benchmark_rejects_a_wrong_result(group: Any) -> None:
+    """A method that is wrong on one rank is not timed: every rank raises, naming that rank."""
+
+    def off_on_rank_1(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = ring_varlen_attention(*args, **kwargs)
+        return out * 1.01 if dist.get_rank() == 1 else out
+
+    wrong = r"ring_varlen_attention gives a wrong result on ranks \[1\], so it is not timed"
+    with mock.patch.dict(bench.METHODS, {"ring": off_on_rank_1}), pytest.raises(RuntimeError, match=wrong):
+        measure(Setting(lengths=(64, 40), repeats=1))
 
 
 def case_benchmark_runs(group: Any) -> None:
@@ -255,6 +361,10 @@ CASES = {
     "no_grad_and_unshard": case_no_grad_and_unshard,
     "native_autograd": case_native_autograd_backend,
     "errors": case_errors,
+    "not_a_member": case_not_a_member,
+    "disagree": case_ranks_disagree,
+    "skips_hidden_blocks": case_ring_skips_hidden_blocks,
+    "benchmark_rejects": case_benchmark_rejects_a_wrong_result,
 }
 
 
@@ -270,7 +380,7 @@ def test_ring_matches_single_process(cluster, group, balance, mask):
     cluster.run("matches", group, method="ring", balance=balance, mask=mask)
 
 
-@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("group", WORLD_SIZES)
 def test_ulysses_matches_single_process(cluster, group, balance, mask):
@@ -296,6 +406,12 @@ def test_bfloat16(cluster, method):
     cluster.run("matches", "ws3", method=method, balance="zigzag", mask="causal", dtype="bfloat16")
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_float64(cluster, method):
+    # float64 in, float64 out and LSE: merges and gradients accumulate in float64.
+    cluster.run("matches", "ws3", method=method, balance="zigzag", mask="causal_window_softcap", dtype="float64")
+
+
 def test_sequences_all_shorter_than_world_size(cluster):
     lens = ([1, 2, 3, 1, 0], [3, 2, 1, 0, 2])
     cluster.run("matches", "ws4", method="ring", balance="zigzag", mask="causal", lens=lens)
@@ -316,8 +432,25 @@ def test_errors(cluster, group):
     cluster.run("errors", group)
 
 
+def test_not_a_member_of_group(cluster):
+    cluster.run("not_a_member", "ws4")
+
+
+@pytest.mark.parametrize("group", ["ws3", "ranks123"])
+def test_ranks_that_disagree_all_raise(cluster, group):
+    cluster.run("disagree", group)
+
+
+def test_ring_never_runs_hidden_blocks(cluster):
+    cluster.run("skips_hidden_blocks", "ws4")
+
+
 def test_benchmark_measures(cluster):
     cluster.run("benchmark", "ws4")
+
+
+def test_benchmark_rejects_a_wrong_result(cluster):
+    cluster.run("benchmark_rejects", "ws4")
 
 
 # ---------------------------------------------------------------- planning, no processes
@@ -332,6 +465,15 @@ def test_uninitialised_process_group():
             fn(x, x, x, plan)
     with pytest.raises(RuntimeError, match="not initialised"):
         plan.unshard_q(x)
+
+
+def test_local_cu_seqlens():
+    plans = [ShardPlan.build([0, 8, 11], [0, 5, 9], world_size=2, rank=r) for r in range(2)]
+    got = [[t.tolist() for t in p.local_cu_seqlens()] for p in plans]
+    assert got == [[[0, 4, 5], [0, 3, 5]], [[0, 4, 6], [0, 2, 4]]]
+    assert all(t.dtype == torch.int32 for p in plans for t in p.local_cu_seqlens("cpu"))
+    assert [p.cu_seqlens_q_host for p in plans] == [(0, 4, 5), (0, 4, 6)]
+    assert plans[0].local_cu_seqlens()[0] is plans[0].local_cu_seqlens()[0]  # cached, no copy per call
 
 
 def test_zigzag_and_contiguous_chunks():

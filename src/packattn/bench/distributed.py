@@ -5,10 +5,13 @@ compute of the single-process baseline, :func:`packattn.varlen_attention` at 1 t
 The reported **overhead** is ``W * t_parallel / t_single``: the process-seconds spent per unit of work,
 relative to one process. 1.0 is perfect scaling; above that is the price of communication, merging,
 per-block dispatch and load imbalance. ``t_parallel`` is the slowest rank's time, median over repeats.
+Before timing a method, every rank checks its output rows against single-process attention (float64 as
+the truth, float32 as the baseline error, with :func:`packattn.testing.assert_close_to_oracle`); a wrong
+result raises on every rank instead of being timed.
 
 Launch with torchrun (one process per rank; ``--nproc_per_node`` sets the world size)::
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m packattn.bench.distributed
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m packattn.bench.distributed
 
 or let it spawn its own gloo processes on this machine::
 
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,8 +35,10 @@ import torch.distributed as dist
 from ..api import varlen_attention
 from ..distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
 from ..distributed.plan import Balance
+from ..testing import assert_close_to_oracle
 
 DEFAULT_LENGTHS = (2048, 1024, 768, 512, 256, 128)
+METHODS = {"ring": ring_varlen_attention, "ulysses": ulysses_varlen_attention}
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,35 @@ def _time(run: Callable[[], None], repeats: int, *, together: bool) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _reference_rows(
+    plan: ShardPlan, s: Setting, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of single-process :func:`varlen_attention` in float64 (the truth) and float32."""
+    cu = torch.tensor(plan.global_cu_seqlens_q, dtype=torch.int32)
+    with torch.no_grad():
+        truth = varlen_attention(q.double(), k.double(), v.double(), cu, cu, causal=s.causal)
+        plain = varlen_attention(q, k, v, cu, cu, causal=s.causal)
+    return plan.shard_q(truth), plan.shard_q(plain)
+
+
+def _check(name: str, out: torch.Tensor, plan: ShardPlan, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Raise on every rank unless every rank's ``out`` is within twice the float32 single-process error
+    of the float64 truth (``reference``, from :func:`_reference_rows`)."""
+    error = ""
+    try:
+        assert_close_to_oracle(out, *reference, name=f"rank {plan.rank} out")
+    except AssertionError as e:
+        error = str(e)
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(plan.world_size)]
+    dist.all_gather(flags, torch.tensor([int(bool(error))]))
+    wrong = [r for r, f in enumerate(flags) if int(f)]
+    if wrong:
+        raise RuntimeError(
+            f"{name}_varlen_attention gives a wrong result on ranks {wrong}, so it is not timed: expected "
+            "each rank's rows of single-process varlen_attention" + (f"; {error}" if error else "")
+        )
+
+
 def measure(s: Setting) -> list[Result]:
     """Run on every rank of the initialised default group; returns the same results on every rank."""
     torch.set_num_threads(1)
@@ -119,7 +153,10 @@ def measure(s: Setting) -> list[Result]:
     results = [Result("varlen_attention, 1 process", 1, t_single, 1.0)]
     plan = ShardPlan.build(cu, cu, world_size=w, rank=rank, balance=s.balance)
     local = (plan.shard_q(q), plan.shard_k(k), plan.shard_k(v))
-    for name, fn in (("ring", ring_varlen_attention), ("ulysses", ulysses_varlen_attention)):
+    reference = _reference_rows(plan, s, q, k, v)
+    for name, fn in METHODS.items():
+        with torch.no_grad():
+            _check(name, fn(*local, plan=plan, causal=s.causal), plan, reference)
         run = _step(fn, local, s.backward, plan=plan, causal=s.causal)
         t = _time(run, s.repeats, together=True)
         results.append(Result(f"{name}_varlen_attention", w, t, w * t / t_single))
@@ -136,8 +173,8 @@ def report(s: Setting, results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _spawned(rank: int, world_size: int, port: int, s: Setting, out: Any) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _spawned(rank: int, world_size: int, rendezvous: str, s: Setting, out: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         results = measure(s)
         if rank == 0:
@@ -151,11 +188,10 @@ def run_spawned(s: Setting, world_size: int) -> list[Result]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(world_size, port, s, out), nprocs=world_size, start_method="spawn")
+    with tempfile.TemporaryDirectory() as tmp:  # a file rendezvous: no free port to race for
+        args = (world_size, os.path.join(tmp, "rendezvous"), s, out)
+        mp.start_processes(_spawned, args=args, nprocs=world_size, start_method="spawn")
     return [Result(**r) for r in out.get()]
 
 

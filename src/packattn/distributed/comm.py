@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -46,11 +47,16 @@ def resolve_group(group: Any, plan: object, where: str) -> Ring:
             f"{where}: the default process group is not initialised; call torch.distributed.init_process_group() "
             "first (e.g. under torchrun)"
         )
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    # On a process outside a group, torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER (an int).
+    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    if not outside and group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{where}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    rank = dist.get_rank(group)
+    rank = -1 if outside else dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"{where}: this process (global rank {dist.get_rank()}) is not a member of group")
+        raise ValueError(
+            f"{where}: this process (global rank {dist.get_rank()}) is not a member of group; "
+            "call it only on the group's ranks"
+        )
     size = dist.get_world_size(group)
     if plan.world_size != size:
         raise ValueError(
@@ -66,6 +72,64 @@ def resolve_group(group: Any, plan: object, where: str) -> Ring:
     nxt = dist.get_global_rank(world, (rank + 1) % size)
     prv = dist.get_global_rank(world, (rank - 1) % size)
     return Ring(group, size, rank, nxt, prv)
+
+
+FINGERPRINT_SLOTS = 16  # fixed width, so that calls with different option sets still gather equal sizes
+
+
+def _digest(value: object) -> int:
+    """A hash of ``repr(value)`` that is the same in every process (Python's ``hash`` of str is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def check_agreement(plan: ShardPlan, ring: Ring, where: str, device: torch.device, options: dict[str, object]) -> None:
+    """Raise a ValueError on every rank unless all ranks of the group pass the same plan and ``options``.
+
+    Ranks that disagree would otherwise exchange buffers of different sizes (a gloo size error, an NCCL
+    hang) or compute silently wrong results. The first call per plan, group and options all-gathers one
+    int64 hash per item (one small collective); later calls find the answer in the plan's cache. So a rank
+    that switches to new options while the others repeat a call they already checked is not caught: it
+    waits alone in the check, as in any collective called by only some ranks.
+    """
+    key = ("agreed", where, ring.group, tuple(options.items()))
+    if ring.size == 1 or key in plan.cache:
+        return
+    items: dict[str, object] = {
+        "the function": where,
+        "plan.balance": plan.balance,
+        "plan.global_cu_seqlens_q": plan.global_cu_seqlens_q,
+        "plan.global_cu_seqlens_k": plan.global_cu_seqlens_k,
+        **options,
+    }
+    mine = torch.zeros(FINGERPRINT_SLOTS, dtype=torch.int64)
+    mine[: len(items)] = torch.tensor([_digest(v) for v in items.values()], dtype=torch.int64)
+    parts = [torch.empty_like(mine, device=device) for _ in range(ring.size)]
+    dist.all_gather(parts, mine.to(device), group=ring.group)
+    table = torch.stack(parts).cpu()
+    differ = []
+    for i, (name, value) in enumerate(items.items()):
+        same = [r for r in range(ring.size) if table[r, i] == table[ring.rank, i]]
+        if len(same) < ring.size:
+            others = [r for r in range(ring.size) if r not in same]
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            differ.append(f"{name} (this rank, {ring.rank}: {shown}; the same on ranks {same}, not on {others})")
+    if differ:
+        raise ValueError(
+            f"{where}: ranks disagree on " + "; ".join(differ) + ". Every rank of the group must pass the same "
+            "plan (built from the same global cu_seqlens and balance), options, head counts, head dims and dtype"
+        )
+    plan.cache[key] = True
+
+
+def attention_options(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> dict[str, object]:
+    """What the ranks of one sequence-parallel attention call must agree on (see :func:`check_agreement`)."""
+    return {
+        "q heads and head dim (q.shape[1:])": tuple(q.shape[1:]),
+        "key/value heads (k.shape[1])": k.shape[1],
+        "value head dim (v.shape[2])": v.shape[2],
+        "dtype": q.dtype,
+        **{name: tuple(x) if isinstance(x, list) else x for name, x in options.items()},
+    }
 
 
 def check_rows(x: torch.Tensor, expected: int, name: str, side: str, plan: ShardPlan, where: str) -> None:
@@ -139,7 +203,7 @@ class _Unshard(torch.autograd.Function):
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(plan.world_size)]
         dist.all_gather(parts, padded, group=group)
-        order = gather_order(plan, side, stride).to(x.device)
+        order = plan.cached(("gather", side, str(x.device)), lambda: gather_order(plan, side, stride).to(x.device))
         return torch.cat(parts).index_select(0, order)
 
     @staticmethod
@@ -151,11 +215,12 @@ class _Unshard(torch.autograd.Function):
 
 
 def unshard(plan: ShardPlan, x: object, side: str, group: Any, where: str) -> torch.Tensor:
-    resolve_group(group, plan, where)
+    ring = resolve_group(group, plan, where)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{where}: x_local must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0:
         raise ValueError(f"{where}: x_local must have a row dimension, got a 0-d tensor")
     expected = plan.local_q if side == "q" else plan.local_k
     check_rows(x, expected, "x_local", side, plan, where)
+    check_agreement(plan, ring, where, x.device, {"x_local.shape[1:]": tuple(x.shape[1:]), "dtype": x.dtype})
     return _Unshard.apply(x, plan, side, group)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 
 Balance = Literal["zigzag", "contiguous"]
 BALANCES = ("zigzag", "contiguous")
+T = TypeVar("T")
 
 
 class Piece(NamedTuple):
@@ -216,24 +216,56 @@ class ShardPlan:
         return self.shards_k[self.rank].total
 
     def local_cu_seqlens(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cu_seqlens_q, cu_seqlens_k)`` of the local batch as int32 tensors on ``device``."""
-        cu_q = torch.tensor(self.cu_seqlens_q_host, dtype=torch.int32, device=device)
-        cu_k = torch.tensor(self.cu_seqlens_k_host, dtype=torch.int32, device=device)
-        return cu_q, cu_k
+        """``(cu_seqlens_q, cu_seqlens_k)`` of the local batch as int32 tensors on ``device``.
+
+        Cached per device (the same tensors on every call; do not modify them). These are *local* offsets:
+        they count this rank's rows, not the sequences' global positions, so do not pass them to
+        :func:`packattn.varlen_attention` on the local shards as if they were a batch of their own. With
+        ``causal=True`` or a ``window_size`` the mask would be aligned to the local pieces instead of the
+        global positions (wrong rows masked), and even without a mask each query would see only this
+        rank's keys. For attention use :func:`ring_varlen_attention` or :func:`ulysses_varlen_attention`
+        with the plan; use these offsets for per-token or per-sequence work on the local rows only.
+
+        Example (rank 0 of 2 holds 4 + 1 rows of sequences of 8 and 3 tokens):
+            >>> plan = ShardPlan.build([0, 8, 11], [0, 8, 11], world_size=2, rank=0)
+            >>> [t.tolist() for t in plan.local_cu_seqlens()]
+            [[0, 4, 5], [0, 4, 5]]
+        """
+        return self.cached(
+            ("local_cu_seqlens", str(device)),
+            lambda: (
+                torch.tensor(self.cu_seqlens_q_host, dtype=torch.int32, device=device),
+                torch.tensor(self.cu_seqlens_k_host, dtype=torch.int32, device=device),
+            ),
+        )
+
+    def cached(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, computed on first use and then kept in :attr:`cache` under ``key``.
+
+        Everything derived from the plan lives there (ring schedules, index tensors under a key that names
+        their device, rank-agreement checks), so repeated calls with one plan, e.g. every layer of a model,
+        pay for it once: no host-to-device copy after the first call.
+        """
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
 
     def shard_q(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global ``(Tq, ...)`` tensor (differentiable)."""
-        return self._select(x, self.global_cu_seqlens_q[-1], self._rows_q, "shard_q")
+        return self._select(x, "q")
 
     def shard_k(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global ``(Tk, ...)`` tensor (differentiable)."""
-        return self._select(x, self.global_cu_seqlens_k[-1], self._rows_k, "shard_k")
+        return self._select(x, "k")
 
     def unshard_q(self, x_local: torch.Tensor, *, group: Any = None) -> torch.Tensor:
         """All-gather every rank's ``(local_q, ...)`` rows into the global ``(Tq, ...)`` order.
 
-        Collective: every rank of ``group`` must call it. Differentiable; the gradient that reaches a
-        rank's rows is the sum over ranks of the gradients of the gathered tensor at those rows.
+        Collective: every rank of ``group`` must call it, with the same trailing shape and dtype (checked
+        on the first call). Differentiable, and the backward is collective too: every rank must backpropagate
+        through it, since each rank's gradient is an all-reduce (sum over ranks) of the full global
+        ``(Tq, ...)`` gradient, of which it keeps its own rows. That all-reduce moves the whole global
+        tensor, not one shard.
         """
         from .comm import unshard
 
@@ -248,16 +280,9 @@ class ShardPlan:
     def shards(self, side: str) -> tuple[Shard, ...]:
         return self.shards_q if side == "q" else self.shards_k
 
-    @cached_property
-    def _rows_q(self) -> torch.Tensor:
-        return self.shards_q[self.rank].global_rows()
-
-    @cached_property
-    def _rows_k(self) -> torch.Tensor:
-        return self.shards_k[self.rank].global_rows()
-
-    def _select(self, x: torch.Tensor, total: int, rows: torch.Tensor, name: str) -> torch.Tensor:
-        where = f"ShardPlan.{name}"
+    def _select(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        where = f"ShardPlan.shard_{side}"
+        total = (self.global_cu_seqlens_q if side == "q" else self.global_cu_seqlens_k)[-1]
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[0] != total:
@@ -265,4 +290,7 @@ class ShardPlan:
                 f"{where}: x must be the global tensor with {total} rows (the plan's cu_seqlens end there), "
                 f"got shape {tuple(x.shape)}"
             )
-        return x.index_select(0, rows.to(x.device))
+        rows = self.cached(
+            ("rows", side, str(x.device)), lambda: self.shards(side)[self.rank].global_rows().to(x.device)
+        )
+        return x.index_select(0, rows)

@@ -24,7 +24,7 @@ from .. import dispatch
 from ..inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, compute_dtype
 from ..layout import SeqLayout
 from ..merge import merge_attention_states
-from .comm import Ring, check_rows, resolve_group, wait
+from .comm import Ring, attention_options, check_agreement, check_rows, resolve_group, wait
 from .plan import ShardPlan, ranges_index
 from .schedule import Call, ring_schedule, windows
 
@@ -218,6 +218,10 @@ def _backward(
             grad += grad_in  # what the ranks before us added to these keys
         if ring.size > 1:
             # Pass the accumulator on and take the next one; after the last step it is our own, complete.
+            # Two exchanges with the same peers and tag are now in flight (this one and the key/value hop
+            # of step s + 1), and the transport pairs each receive with the send posted in the same place
+            # on the peer. Invariant: every rank posts them in this order, key/value hop first; another
+            # order on some rank would pair a key/value buffer with a gradient buffer.
             after = steps[s + 1][0] if s + 1 < len(steps) else plan.rank
             grad_in = grad.new_empty(sum(setup.kv_numel(after, k, v)))
             grad_pending = ring.shift(grad, grad_in)
@@ -254,12 +258,14 @@ class _RingAttention(torch.autograd.Function):
 
 def _setup(plan: ShardPlan, ring: Ring, mask: MaskSpec, backend: str | None, device: torch.device) -> _Setup:
     """The ring's steps with their device-side indices, cached on the plan per mask and device."""
-    key = ("jobs", mask, backend, str(device))
-    if key not in plan.cache:
+
+    def build() -> tuple[tuple[int, tuple[_Job, ...]], ...]:
         written = [False] * plan.local_q
         steps = ring_schedule(plan, mask.left, mask.right)
-        plan.cache[key] = tuple((st.source, _jobs(plan, mask, st.source, st.calls, device, written)) for st in steps)
-    return _Setup(ring, plan, plan.cache[key], backend, "ring_varlen_attention")
+        return tuple((st.source, _jobs(plan, mask, st.source, st.calls, device, written)) for st in steps)
+
+    steps = plan.cached(("jobs", mask, str(device)), build)
+    return _Setup(ring, plan, steps, backend, "ring_varlen_attention")
 
 
 def _check_backend(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec) -> None:
@@ -336,8 +342,10 @@ def ring_varlen_attention(
     blocks that the mask hides entirely are skipped. Gradients of ``q``, ``k`` and ``v`` equal those of
     single-process attention; the backward runs its own ring (no rank ever holds the whole sequence).
 
-    Collective: every rank of ``group`` calls it with the same options and a plan built for its rank,
-    and every rank takes part in the backward if any does.
+    Collective: every rank of ``group`` calls it with the same options, head counts, head dims and dtype
+    and a plan built from the same global batch for its rank, and every rank takes part in the backward if
+    any does. The first call per plan, group and options checks the agreement with one small all-gather
+    and raises a ValueError on every rank naming what differs (e.g. ``ranks disagree on causal``).
 
     Args:
         q, k, v: this rank's rows, e.g. ``plan.shard_q(q_global)``, ``plan.shard_k(k_global)``.
@@ -362,6 +370,8 @@ def ring_varlen_attention(
     ring = resolve_group(group, plan, where)
     check_rows(q, plan.local_q, "q", "q", plan, where)
     check_rows(k, plan.local_k, "k", "k", plan, where)
+    options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
+    check_agreement(plan, ring, where, q.device, attention_options(q, k, v, **options, backend=backend))
     setup = _setup(plan, ring, mask, backend, q.device)
     _check_backend(setup, q, k, v, mask)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

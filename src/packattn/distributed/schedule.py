@@ -132,21 +132,19 @@ def ring_schedule(plan: ShardPlan, left: int, right: int, rank: int | None = Non
 
     Cached on the plan, so repeated calls with the same plan and mask (every layer of a model) plan once.
     """
-    rank = plan.rank if rank is None else rank
-    key = ("ring", rank, left, right)
-    if key not in plan.cache:
-        w = plan.world_size
-        plan.cache[key] = tuple(
-            Step((rank - s) % w, step_calls(plan, rank, (rank - s) % w, left, right)) for s in range(w)
-        )
-    return plan.cache[key]
+    r = plan.rank if rank is None else rank
+    w = plan.world_size
+    return plan.cached(
+        ("ring", r, left, right),
+        lambda: tuple(Step((r - s) % w, step_calls(plan, r, (r - s) % w, left, right)) for s in range(w)),
+    )
 
 
 def windows(plan: ShardPlan, left: int, right: int) -> set[tuple[int, int]]:
     """Every window that any rank's calls use (so that a backend's support is checked the same everywhere)."""
-    key = ("windows", left, right)
-    if key not in plan.cache:
-        plan.cache[key] = {
+    return plan.cached(
+        ("windows", left, right),
+        lambda: {
             c.window for r in range(plan.world_size) for st in ring_schedule(plan, left, right, r) for c in st.calls
-        }
-    return plan.cache[key]
+        },
+    )

@@ -18,7 +18,15 @@ import torch
 from .. import dispatch
 from ..api import varlen_attention
 from ..inputs import check_mask, check_tensors
-from .comm import all_to_all, check_rows, gather_order, rank_major_rows, resolve_group
+from .comm import (
+    all_to_all,
+    attention_options,
+    check_agreement,
+    check_rows,
+    gather_order,
+    rank_major_rows,
+    resolve_group,
+)
 from .plan import ShardPlan
 
 __all__ = ["ulysses_varlen_attention"]
@@ -26,10 +34,21 @@ __all__ = ["ulysses_varlen_attention"]
 
 def _orders(plan: ShardPlan, side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rank-major -> global, global -> rank-major) row indices, cached on the plan per device."""
-    key = ("ulysses", side, str(device))
-    if key not in plan.cache:
-        plan.cache[key] = (gather_order(plan, side).to(device), rank_major_rows(plan, side).to(device))
-    return plan.cache[key]
+    return plan.cached(
+        ("ulysses", side, str(device)),
+        lambda: (gather_order(plan, side).to(device), rank_major_rows(plan, side).to(device)),
+    )
+
+
+def _global_cu_seqlens(plan: ShardPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch's offsets as int32 tensors, cached on the plan per device."""
+    return plan.cached(
+        ("global_cu_seqlens", str(device)),
+        lambda: (
+            torch.tensor(plan.global_cu_seqlens_q, dtype=torch.int32, device=device),
+            torch.tensor(plan.global_cu_seqlens_k, dtype=torch.int32, device=device),
+        ),
+    )
 
 
 def _heads_to_sequence(x: torch.Tensor, plan: ShardPlan, side: str, group: Any) -> torch.Tensor:
@@ -128,6 +147,9 @@ def ulysses_varlen_attention(
     ring = resolve_group(group, plan, where)
     check_rows(q, plan.local_q, "q", "q", plan, where)
     check_rows(k, plan.local_k, "k", "k", plan, where)
+    mask = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
+    agreed = attention_options(q, k, v, **mask, return_lse=return_lse, backend=backend)
+    check_agreement(plan, ring, where, q.device, agreed)
     w, hq, hkv = ring.size, q.shape[1], k.shape[1]
     if hq % w != 0:
         raise ValueError(
@@ -141,16 +163,12 @@ def ulysses_varlen_attention(
     d = k.shape[2]
     kv = _heads_to_sequence(torch.cat([k, v], dim=2), plan, "k", group)
     kg, vg = kv[..., :d], kv[..., d:]
-    cu_q = torch.tensor(plan.global_cu_seqlens_q, dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor(plan.global_cu_seqlens_k, dtype=torch.int32, device=q.device)
+    cu_q, cu_k = _global_cu_seqlens(plan, q.device)
     options: dict[str, Any] = {
         "cu_seqlens_q_host": plan.global_cu_seqlens_q,
         "cu_seqlens_k_host": plan.global_cu_seqlens_k,
-        "softmax_scale": softmax_scale,
-        "causal": causal,
-        "window_size": window_size,
-        "softcap": softcap,
         "backend": backend,
+        **mask,
     }
     if not return_lse:
         return _sequence_to_heads(varlen_attention(qg, kg, vg, cu_q, cu_k, **options), plan, "q", group)
