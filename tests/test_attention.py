@@ -188,6 +188,24 @@ def test_backward_matches_oracle(backend, mask, dtype):
     check_backward(backend, case, **MASKS[mask])
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])  # the backends with an LSE
+@pytest.mark.parametrize("mask", ["full", "causal"])
+def test_backward_without_return_lse(backend, mask):
+    """Gradients need the LSE even when the caller does not ask for it (the cpu backend skips it otherwise)."""
+    case = make_case([9, 0, 20, 3], [14, 6, 20, 0], seed=8, requires_grad=True)
+    cu_q, cu_k = case.tensors()
+    dout = torch.randn(case.q.shape[0], case.q.shape[1], case.v.shape[2])
+    grads = []
+    for with_lse in (False, True):
+        res = packattn.varlen_attention(
+            case.q, case.k, case.v, cu_q, cu_k, return_lse=with_lse, backend=backend, **MASKS[mask]
+        )
+        out = res[0] if with_lse else res
+        grads.append(torch.autograd.grad((out * dout).sum(), (case.q, case.k, case.v)))
+    for without, with_ in zip(*grads):  # with return_lse=True, test_backward_matches_oracle checks them
+        assert torch.equal(without, with_)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])  # cpu's backward is the reference one
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "right_band_1"])
 def test_backward_across_tiles(backend, mask, monkeypatch):
