@@ -13,6 +13,13 @@ BALANCES = ("zigzag", "contiguous")
 T = TypeVar("T")
 
 
+def offsets_on(
+    cu_q: Sequence[int], cu_k: Sequence[int], device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host offsets as the int32 ``(cu_seqlens_q, cu_seqlens_k)`` tensors ``varlen_attention`` takes."""
+    return torch.tensor(cu_q, dtype=torch.int32, device=device), torch.tensor(cu_k, dtype=torch.int32, device=device)
+
+
 class Piece(NamedTuple):
     """A run of consecutive positions of one sequence that one rank holds."""
 
@@ -233,10 +240,7 @@ class ShardPlan:
         """
         return self.cached(
             ("local_cu_seqlens", str(device)),
-            lambda: (
-                torch.tensor(self.cu_seqlens_q_host, dtype=torch.int32, device=device),
-                torch.tensor(self.cu_seqlens_k_host, dtype=torch.int32, device=device),
-            ),
+            lambda: offsets_on(self.cu_seqlens_q_host, self.cu_seqlens_k_host, device),
         )
 
     def cached(self, key: Hashable, make: Callable[[], T]) -> T:

@@ -25,7 +25,7 @@ from ..inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, compu
 from ..layout import SeqLayout
 from ..merge import merge_attention_states
 from .comm import Ring, attention_options, check_agreement, check_rows, resolve_group, wait
-from .plan import ShardPlan, ranges_index
+from .plan import ShardPlan, offsets_on, ranges_index
 from .schedule import Call, ring_schedule, windows
 
 __all__ = ["ring_varlen_attention"]
@@ -80,12 +80,7 @@ def _jobs(
     for c in calls:
         k_ranges = [r for ranges in c.k_rows for r in ranges]
         cu_q, cu_k = c.cu_seqlens_q, c.cu_seqlens_k
-        layout = SeqLayout(
-            torch.tensor(cu_q, dtype=torch.int32, device=device),
-            torch.tensor(cu_k, dtype=torch.int32, device=device),
-            cu_q,
-            cu_k,
-        )
+        layout = SeqLayout(*offsets_on(cu_q, cu_k, device), cu_q, cu_k)
         spec = MaskSpec(mask.scale, c.window[0], c.window[1], mask.softcap)
         fresh = not any(written[i] for a, b in c.q_rows for i in range(a, b))
         for a, b in c.q_rows:

@@ -27,7 +27,7 @@ from .comm import (
     rank_major_rows,
     resolve_group,
 )
-from .plan import ShardPlan
+from .plan import ShardPlan, offsets_on
 
 __all__ = ["ulysses_varlen_attention"]
 
@@ -44,10 +44,7 @@ def _global_cu_seqlens(plan: ShardPlan, device: torch.device) -> tuple[torch.Ten
     """The global batch's offsets as int32 tensors, cached on the plan per device."""
     return plan.cached(
         ("global_cu_seqlens", str(device)),
-        lambda: (
-            torch.tensor(plan.global_cu_seqlens_q, dtype=torch.int32, device=device),
-            torch.tensor(plan.global_cu_seqlens_k, dtype=torch.int32, device=device),
-        ),
+        lambda: offsets_on(plan.global_cu_seqlens_q, plan.global_cu_seqlens_k, device),
     )
 
 
