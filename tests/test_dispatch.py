@@ -43,6 +43,7 @@ def fakes_first(monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
     backends = (NOT_INSTALLED, REFUSES, *ALL)
     monkeypatch.setattr(dispatch, "ALL", backends)
     monkeypatch.setattr(dispatch, "BACKENDS", {b.NAME: b for b in backends})
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ("fake_npu", "fake_gpu", *dispatch.PRIORITY["cpu"]))
     return backends
 
 
@@ -133,7 +134,8 @@ def test_default_dispatch_picks_first_backend_that_can_run(mask, return_lse, ran
     chosen = dispatch.select(case_inputs(CASE, return_lse, **mask), None, "test")
     assert chosen.unavailable_reason() is None
     assert backend_reasons(chosen.NAME, CASE, return_lse, **mask) == []
-    for earlier in ALL[: ALL.index(chosen)]:
+    tried = dispatch.candidates(CASE.q.device)
+    for earlier in tried[: tried.index(chosen)]:
         assert backend_reasons(earlier.NAME, CASE, return_lse, **mask)
     res = run(return_lse=return_lse, **mask)
     assert ran == [chosen.NAME]
@@ -144,29 +146,40 @@ def test_default_dispatch_picks_first_backend_that_can_run(mask, return_lse, ran
 
 
 def test_default_dispatch_skips_backends_that_cannot_run(fakes_first, ran):
+    tried = dispatch.candidates(CASE.q.device)
+    assert tried[:2] == [NOT_INSTALLED, REFUSES]
     plain = dispatch.select(case_inputs(CASE), None, "test")
-    assert plain is next(b for b in ALL if not backend_reasons(b.NAME, CASE, False))
+    assert plain is next(b for b in tried if not backend_reasons(b.NAME, CASE, False))
     with_lse = dispatch.select(case_inputs(CASE, True), None, "test")
-    assert with_lse is next(b for b in ALL if not backend_reasons(b.NAME, CASE, True))
+    assert with_lse is next(b for b in tried if not backend_reasons(b.NAME, CASE, True))
     run()
     assert ran == [plain.NAME]
 
 
-def test_no_backend_can_run_lists_every_backend_and_why(monkeypatch):
-    backends = (NOT_INSTALLED, REFUSES, *ALL)
-    monkeypatch.setattr(dispatch, "ALL", backends)
+def test_no_backend_can_run_lists_every_backend_tried_and_why(fakes_first, monkeypatch):
     for backend in ALL:
         monkeypatch.setattr(backend, "supports", lambda inp, _n=backend.NAME: [f"{_n} refuses for this test"])
+    tried = dispatch.candidates(CASE.q.device)
     with pytest.raises(ValueError) as info:
         run(causal=True)
     lines = str(info.value).splitlines()
-    assert lines[0] == "varlen_attention: no backend can run these inputs:"
+    assert lines[0] == "varlen_attention: no backend can run these inputs on cpu:"
     expected = [
         "  fake_npu: torch_npu is not installed",
         "  fake_gpu: the inputs are on cpu, not on a GPU; head_dim=16 is too small",
-        *[f"  {b.NAME}: {b.unavailable_reason() or f'{b.NAME} refuses for this test'}" for b in ALL],
+        *[f"  {b.NAME}: {b.unavailable_reason() or f'{b.NAME} refuses for this test'}" for b in tried[2:]],
     ]
-    assert lines[1:] == expected
+    others = [b.NAME for b in fakes_first if b not in tried]
+    assert lines[1:] == expected + ([f"(not tried on cpu, only by name: {', '.join(others)})"] if others else [])
+
+
+def test_priority_names_registered_backends_once_per_device():
+    for device, names in (*dispatch.PRIORITY.items(), ("other", dispatch.OTHER_DEVICES)):
+        assert len(set(names)) == len(names), device
+        assert set(names) <= set(dispatch.BACKENDS), device
+        assert names[-1] == "reference", f"{device}: the exact reference path must be the last resort"
+    assert [b.NAME for b in dispatch.candidates(torch.device("cpu"))] == list(dispatch.PRIORITY["cpu"])
+    assert [b.NAME for b in dispatch.candidates(torch.device("meta"))] == list(dispatch.OTHER_DEVICES)
 
 
 # explicit backend ---------------------------------------------------------------------------------------

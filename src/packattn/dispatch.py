@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from .backends import ALL
+import torch
+
+from .backends import ALL, OTHER_DEVICES, PRIORITY
+
+__all__ = ["ALL", "BACKENDS", "OTHER_DEVICES", "PRIORITY", "BackendInfo", "candidates", "info", "select"]
 from .inputs import AttentionInputs
 
 BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
@@ -42,8 +46,14 @@ def check_backend_name(name: object, where: str) -> None:
         raise ValueError(f"{where}: unknown backend {name!r}; expected None or one of {sorted(BACKENDS)}")
 
 
+def candidates(device: torch.device) -> list[ModuleType]:
+    """The backends dispatch tries for tensors on ``device``, in priority order."""
+    return [BACKENDS[n] for n in PRIORITY.get(device.type, OTHER_DEVICES)]
+
+
 def select(inp: AttentionInputs, name: str | None, where: str) -> ModuleType:
-    """The backend to run: ``name`` if given (never replaced), else the first one that supports ``inp``."""
+    """The backend to run: ``name`` if given (never replaced), else the first of the device's candidates
+    that supports ``inp``."""
     if name is not None:
         backend = BACKENDS[name]
         why = reasons(backend, inp)
@@ -51,9 +61,12 @@ def select(inp: AttentionInputs, name: str | None, where: str) -> ModuleType:
             raise ValueError(f"{where}: backend={name!r} cannot run these inputs: " + "; ".join(why))
         return backend
     report = []
-    for backend in ALL:
+    tried = candidates(inp.q.device)
+    for backend in tried:
         why = reasons(backend, inp)
         if not why:
             return backend
         report.append(f"  {backend.NAME}: " + "; ".join(why))
-    raise ValueError(f"{where}: no backend can run these inputs:\n" + "\n".join(report))
+    others = [b.NAME for b in ALL if b not in tried]
+    hint = f"\n(not tried on {inp.q.device.type}, only by name: {', '.join(others)})" if others else ""
+    raise ValueError(f"{where}: no backend can run these inputs on {inp.q.device.type}:\n" + "\n".join(report) + hint)

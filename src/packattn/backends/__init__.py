@@ -1,9 +1,17 @@
 """Backends: modules with ``NAME``, ``NATIVE_AUTOGRAD``, ``unavailable_reason()``, ``supports(inp)``,
 ``forward(inp) -> (out, lse)`` and, unless ``NATIVE_AUTOGRAD``, ``backward(inp, out, lse, dout, dlse)``.
 
-They are listed in dispatch priority order; each one's ``supports`` rejects the devices it does not serve.
+``ALL`` is every backend, in the order ``packattn info`` lists them. ``PRIORITY`` is the order in which
+dispatch tries them for tensors of each device type (the first that supports the inputs wins); a backend
+outside a device's list runs there only when asked for by name (``backend="..."``).
 """
 
 from . import cpu, reference, sdpa
 
 ALL = (cpu, sdpa, reference)
+
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu", "sdpa", "reference"),
+    "cuda": ("sdpa", "reference"),
+}
+OTHER_DEVICES = ("sdpa", "reference")  # mps, xpu, ...: what runs on every device
