@@ -14,7 +14,6 @@ from packattn.inputs import AttentionInputs, check_mask, compute_dtype
 from packattn.layout import SeqLayout
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
-BACKEND_NAMES = sorted(dispatch.BACKENDS)
 # Where the backend tests put their tensors: CPU here; PACKATTN_TEST_DEVICE=cuda (or npu) on such a machine.
 DEVICE = torch.device(os.environ.get("PACKATTN_TEST_DEVICE", "cpu"))
 
@@ -121,9 +120,15 @@ def supported(name: str, *, return_lse: bool = False, **mask: object) -> bool:
     return not dispatch.reasons(dispatch.BACKENDS[name], case_inputs(_SMALL, return_lse, **mask))
 
 
+# The backends the test device can run (on CPU: cpu, reference, sdpa, and triton under its interpreter).
+DEVICE_BACKENDS = [name for name in sorted(dispatch.BACKENDS) if supported(name)]
+
+
 def backend_mask_params(masks: dict[str, dict[str, object]], *, runs: bool = True) -> list[object]:
     """``(backend, mask name)`` parameters for the pairs where the backend runs (``runs``) or refuses the mask."""
-    return [pytest.param(b, m, id=f"{m}-{b}") for m in masks for b in BACKEND_NAMES if supported(b, **masks[m]) == runs]
+    return [
+        pytest.param(b, m, id=f"{m}-{b}") for m in masks for b in DEVICE_BACKENDS if supported(b, **masks[m]) == runs
+    ]
 
 
 def assert_matches_oracle(

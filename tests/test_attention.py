@@ -10,7 +10,7 @@ from packattn.backends import reference
 from packattn.testing import attention_naive
 
 from .helpers import (
-    BACKEND_NAMES,
+    DEVICE_BACKENDS,
     STRIDES,
     assert_matches_oracle,
     attend,
@@ -140,7 +140,7 @@ def test_rows_without_keys_are_zero_and_minus_inf(backend, mask):
     assert_matches_oracle(case, out, lse, **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", [None, *BACKEND_NAMES], ids=["default", *BACKEND_NAMES])
+@pytest.mark.parametrize("backend", [None, *DEVICE_BACKENDS], ids=["default", *DEVICE_BACKENDS])
 def test_offsets_without_host_copies_with_them_and_on_meta(backend):
     """Host copies are trusted: with them, offsets on the meta device (which hold no values) work."""
     case = make_case([5, 0, 7], [9, 8, 8], hq=4, hkv=2, d=64, dv=32)
@@ -163,7 +163,7 @@ EQUIVALENT_MASKS = {
     [
         pytest.param(b, m, id=f"{m}-{b}")
         for m, pair in EQUIVALENT_MASKS.items()
-        for b in BACKEND_NAMES
+        for b in DEVICE_BACKENDS
         if all(supported(b, **mask) for mask in pair)
     ],
 )

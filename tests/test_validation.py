@@ -13,7 +13,7 @@ import packattn
 from packattn.backends import ALL
 from packattn.dispatch import BACKENDS
 
-from .helpers import BACKEND_NAMES, make_case, supported
+from .helpers import DEVICE_BACKENDS, make_case, supported
 
 Args = dict[str, Any]
 
@@ -366,7 +366,7 @@ def test_backend_unknown_lists_every_name():
         assert repr(name) in str(info.value)
 
 
-CAUSAL_BACKENDS = [b for b in BACKEND_NAMES if supported(b, causal=True)]
+CAUSAL_BACKENDS = [b for b in DEVICE_BACKENDS if supported(b, causal=True)]
 
 
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])

@@ -6,12 +6,12 @@ dispatch tries them for tensors of each device type (the first that supports the
 outside a device's list runs there only when asked for by name (``backend="..."``).
 """
 
-from . import cpu, reference, sdpa
+from . import cpu, flash_attn, reference, sdpa, torch_varlen
 
-ALL = (cpu, sdpa, reference)
+ALL = (cpu, flash_attn, torch_varlen, sdpa, reference)
 
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu", "sdpa", "reference"),
-    "cuda": ("sdpa", "reference"),
+    "cuda": ("flash_attn", "torch_varlen", "sdpa", "reference"),
 }
 OTHER_DEVICES = ("sdpa", "reference")  # mps, xpu, ...: what runs on every device

@@ -1,0 +1,59 @@
+"""flash-attn 2's ``flash_attn_varlen_func`` on CUDA (fp16/bf16, ``D == Dv <= 256``, SM80+).
+
+Its conventions are flash-attn's own (ANCHORS.md §2.1): int32 offsets on the device, ``max_seqlen_*`` as
+Python ints (taken from the host copies, no device sync), bottom-right causal and ``(left, right)`` windows as
+ours, soft-capping since flash-attn 2.6, LSE ``(Hq, Tq)`` with +inf for rows that see no key (converted to
+-inf here). The backward runs on packattn's exact kernels (see :mod:`.fa2_convention`): flash-attn's own
+backward ignores the LSE's gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ..inputs import AttentionInputs
+from . import fa2_convention
+
+NAME = "flash_attn"
+NATIVE_AUTOGRAD = False
+backward = fa2_convention.backward
+
+
+@functools.cache
+def _varlen_func():
+    """flash-attn's public ``flash_attn_varlen_func``, or the reason it cannot be had."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:  # not installed, or built against another torch/CUDA
+        return None, f"flash_attn is not installed or does not import ({e})"
+    if "softcap" not in inspect.signature(flash_attn_varlen_func).parameters:
+        return None, "flash_attn is older than 2.6 (no softcap argument); packattn needs flash_attn >= 2.6"
+    return flash_attn_varlen_func, None
+
+
+def unavailable_reason() -> str | None:
+    why = [r for r in (fa2_convention.no_cuda_reason(), _varlen_func()[1]) if r]
+    return "; ".join(why) or None
+
+
+def supports(inp: AttentionInputs) -> list[str]:
+    return fa2_convention.limits(inp, "flash_attn")
+
+
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    func, _ = _varlen_func()
+    m = inp.mask
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k):
+        out, lse, _ = func(
+            q, k, v, cu_q, cu_k, max_q, max_k,
+            softmax_scale=m.scale, causal=m.causal, window_size=(m.left, m.right), softcap=m.softcap,
+            return_attn_probs=True,
+        )  # fmt: skip
+        return out, lse
+
+    with torch.no_grad():  # gradients come from packattn's backward (the LSE's included)
+        return fa2_convention.forward(inp, kernel)

@@ -1,0 +1,63 @@
+"""PyTorch's ``torch.nn.attention.varlen.varlen_attn`` on CUDA (its built-in flash-attention 2 kernel).
+
+Needs a PyTorch with ``window_size`` and ``enable_gqa`` (2.12 and newer); fp16/bf16, ``D == Dv <= 256``,
+SM80+, no soft-capping. Conventions as flash-attn 2's (ANCHORS.md §2.4): int32 offsets on the device,
+``max_q``/``max_k`` from the host copies, bottom-right ``(left, right)`` windows (causal is ``(-1, 0)``), LSE
+``(Hq, Tq)`` with +inf for rows that see no key, converted to -inf here. The backward runs on packattn's exact
+kernels (see :mod:`.fa2_convention`): PyTorch's drops the LSE's gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ..inputs import AttentionInputs
+from . import fa2_convention
+
+NAME = "torch_varlen"
+NATIVE_AUTOGRAD = False
+backward = fa2_convention.backward
+
+
+@functools.cache
+def _module():
+    """``torch.nn.attention.varlen``, or the reason it cannot serve."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    params = inspect.signature(varlen.varlen_attn).parameters
+    missing = [p for p in ("window_size", "enable_gqa", "scale", "return_aux") if p not in params]
+    if missing:
+        return None, f"torch {torch.__version__}'s varlen_attn lacks {', '.join(missing)} (torch >= 2.12 has them)"
+    return varlen, None
+
+
+def unavailable_reason() -> str | None:
+    why = [r for r in (fa2_convention.no_cuda_reason(), _module()[1]) if r]
+    return "; ".join(why) or None
+
+
+def supports(inp: AttentionInputs) -> list[str]:
+    why = fa2_convention.limits(inp, "torch.nn.attention.varlen")
+    if inp.mask.softcap > 0:
+        why.append(f"torch.nn.attention.varlen has no soft-capping (softcap={inp.mask.softcap})")
+    return why
+
+
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    varlen, _ = _module()
+    m = inp.mask
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k):
+        return varlen.varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k,
+            return_aux=varlen.AuxRequest(lse=True), scale=m.scale, window_size=(m.left, m.right),
+            enable_gqa=inp.heads_q != inp.heads_kv,
+        )  # fmt: skip
+
+    with torch.no_grad():  # gradients come from packattn's backward (the LSE's included)
+        return fa2_convention.forward(inp, kernel)

@@ -1,0 +1,202 @@
+"""The ``flash_attn`` and ``torch_varlen`` adapters against models of their kernels' interfaces, on CPU.
+
+Neither kernel runs without a CUDA GPU. These tests install, for the test only, an interface model of each
+(not the library): a function with the library's signature that checks what flash-attention-2-style kernels
+require of their arguments (int32 contiguous offsets on the tensors' device, ``max_seqlen`` covering every
+length, fp16/bf16, ``D == Dv <= 256``, unit last-dim stride), computes with the float64 oracle and answers in the
+library's conventions (LSE ``(Hq, Tq)`` float32, **+inf** for rows that see no key). What is tested is the
+adapters' translation: offsets, maxima, options, the LSE convention, refusals and the exact backward.
+With ``PACKATTN_TEST_DEVICE=cuda`` on a GPU machine the ordinary backend tests run the real kernels.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import types
+
+import pytest
+import torch
+from torch.nn.attention import varlen as torch_varlen_module
+
+import packattn
+from packattn import dispatch
+from packattn.backends import fa2_convention, flash_attn, torch_varlen
+from packattn.testing import oracle
+
+from .helpers import assert_matches_oracle, case_inputs, check_backward, make_case
+
+CALLS: list[dict[str, object]] = []
+
+
+def _model(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window, softcap=0.0):
+    """The interface both kernels share, computed with the float64 oracle."""
+    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+    assert q.shape[2] == k.shape[2] == v.shape[2] <= 256
+    assert all(t.stride(-1) == 1 for t in (q, k, v)), "last dim must be contiguous"
+    for cu, t in ((cu_q, q), (cu_k, k)):
+        assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device and cu.dim() == 1
+        assert int(cu[-1]) == t.shape[0]
+    assert cu_q.numel() == cu_k.numel() >= 2, "batch size must be positive"
+    host_q, host_k = cu_q.tolist(), cu_k.tolist()
+    assert max_q == max(b - a for a, b in itertools.pairwise(host_q)), "max_seqlen_q must be the longest query side"
+    assert max_k == max(b - a for a, b in itertools.pairwise(host_k)), "max_seqlen_k must be the longest key side"
+    CALLS.append({"max": (max_q, max_k), "window": tuple(window), "scale": scale, "softcap": softcap})
+    out, lse = oracle(q, k, v, host_q, host_k, softmax_scale=scale, window_size=tuple(window), softcap=softcap)
+    return out.to(q.dtype), lse.float().masked_fill(torch.isneginf(lse), float("inf"))  # FA2: +inf
+
+
+def fake_flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):  # fmt: skip
+    assert dropout_p == 0.0 and alibi_slopes is None and block_table is None
+    left, right = window_size
+    out, lse = _model(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        scale=softmax_scale, window=(left, 0 if causal else right), softcap=softcap,
+    )  # fmt: skip
+    return (out, lse, None) if return_attn_probs else out
+
+
+def fake_varlen_attn(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+    enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+):  # fmt: skip
+    assert enable_gqa == (query.shape[1] != key.shape[1]), "enable_gqa must be set exactly for GQA"
+    assert seqused_k is None and block_table is None
+    out, lse = _model(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window=window_size)
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+@pytest.fixture
+def models(monkeypatch):
+    """Both kernels' interface models in place of the libraries, taking CPU tensors."""
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = fake_flash_attn_varlen_func  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(torch_varlen_module, "varlen_attn", fake_varlen_attn)
+    monkeypatch.setattr(fa2_convention, "DEVICE_TYPE", "cpu")
+    for cached in (flash_attn._varlen_func, torch_varlen._module):
+        cached.cache_clear()
+    CALLS.clear()
+    yield
+    for cached in (flash_attn._varlen_func, torch_varlen._module):
+        cached.cache_clear()
+
+
+BACKENDS = ["flash_attn", "torch_varlen"]
+MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (3, 2)},
+    "right_band": {"window_size": (-1, 1)},
+    "scale": {"softmax_scale": 0.3},
+}
+# Empty sides, Lq > Lk (causal rows with no key: +inf from the kernel), one query, GQA.
+LENS = ([5, 0, 7, 4, 9, 1], [9, 8, 8, 0, 3, 6])
+
+
+def attention(name, case, **mask):
+    cu_q, cu_k = case.tensors()
+    return packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, backend=name, return_lse=True, **mask)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_forward_matches_oracle_with_our_lse_convention(models, name, dtype, mask):
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=dtype, seed=5)
+    out, lse = attention(name, case, **MASKS[mask])
+    assert_matches_oracle(case, out, lse, **MASKS[mask])
+    assert torch.isneginf(lse[:, 12:16]).all()  # the sequence with no keys: -inf, never the kernel's +inf
+    assert not (lse == float("inf")).any()
+    call = CALLS[-1]
+    assert call["max"] == (max(LENS[0]), max(LENS[1]))
+    assert call["scale"] == MASKS[mask].get("softmax_scale", 16**-0.5)
+
+
+def test_flash_attn_passes_softcap(models):
+    case = make_case(*LENS, hq=4, hkv=1, d=16, dtype=torch.bfloat16, seed=6)
+    out, lse = attention("flash_attn", case, softcap=2.0, causal=True)
+    assert_matches_oracle(case, out, lse, softcap=2.0, causal=True)
+    assert CALLS[-1]["softcap"] == 2.0 and CALLS[-1]["window"] == (-1, 0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_nothing_to_compute_never_calls_the_kernel(models, name):
+    for lens in (([0, 0], [3, 4]), ([2, 3], [0, 0])):
+        case = make_case(*lens, hq=2, hkv=2, d=8, dtype=torch.float16)
+        out, lse = attention(name, case)
+        assert_matches_oracle(case, out, lse)
+    assert CALLS == []
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backward_is_exact_and_takes_the_lse_gradient(models, name):
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.bfloat16, seed=7, requires_grad=True)
+    cu_q, cu_k = case.tensors()
+    dout = torch.randn(case.q.shape[0], 4, 16, dtype=torch.float64)
+    dlse = torch.randn(4, case.q.shape[0], dtype=torch.float64)
+    out, lse = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, backend=name, causal=True, return_lse=True)
+    got = torch.autograd.grad((out.double() * dout).sum() + (lse.double().nan_to_num(0, 0, 0) * dlse).sum(),
+                              (case.q, case.k, case.v))  # fmt: skip
+    xs = [t.detach().double().requires_grad_() for t in (case.q, case.k, case.v)]
+    o, l_ = oracle(*xs, case.cu_q, case.cu_k, causal=True)
+    want = torch.autograd.grad((o * dout).sum() + (l_.nan_to_num(0, 0, 0) * dlse).sum(), xs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=0.05, rtol=0.05)
+    check_backward(name, make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.float16, seed=8, requires_grad=True))
+
+
+REFUSALS = [
+    ("fp32", {"dtype": torch.float32}, {}, "runs float16/bfloat16 only, got torch.float32"),
+    ("dv", {"dv": 8}, {}, "needs v's head_dim equal to q's, got 8 and 16"),
+    ("head_dim", {"d": 288}, {}, "head_dim=288 > 256 (max supported by"),
+]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("case_options", "mask", "fragment"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusals_name_the_limit(models, name, case_options, mask, fragment):
+    options = {"hq": 2, "hkv": 2, "d": 16, "dtype": torch.float16, **case_options}
+    case = make_case([3, 4], [5, 2], **options)
+    with pytest.raises(ValueError, match=f"backend='{name}' cannot run these inputs: .*{re.escape(fragment)}"):
+        attention(name, case, **mask)
+
+
+def test_dispatch_takes_them_first_and_falls_back_past_their_limits(models, monkeypatch):
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ("flash_attn", "torch_varlen", "reference"))
+    half = make_case([3, 4], [5, 2], hq=2, hkv=2, d=16, dtype=torch.float16)
+    assert dispatch.select(case_inputs(half), None, "t").NAME == "flash_attn"
+    assert dispatch.select(case_inputs(half, softcap=1.0), None, "t").NAME == "flash_attn"
+    monkeypatch.setattr(flash_attn, "unavailable_reason", lambda: "flash_attn is not installed")
+    assert dispatch.select(case_inputs(half), None, "t").NAME == "torch_varlen"
+    assert dispatch.select(case_inputs(half, softcap=1.0), None, "t").NAME == "reference"
+    single = make_case([3, 4], [5, 2], hq=2, hkv=2, d=16, dtype=torch.float32)
+    assert dispatch.select(case_inputs(single), None, "t").NAME == "reference"
+
+
+def test_torch_varlen_refuses_softcap_and_flash_attn_gqa_decode_bug(models):
+    case = make_case([3, 4], [5, 2], hq=2, hkv=2, d=16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"torch\.nn\.attention\.varlen has no soft-capping"):
+        attention("torch_varlen", case, softcap=1.0)
+    decode = make_case([1, 0, 1], [5, 2, 3], hq=4, hkv=2, d=16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="mishandles GQA batches of at most one query per sequence"):
+        attention("flash_attn", decode)
+
+
+def test_refuse_other_devices_and_say_why_here():
+    case = make_case([3], [3], hq=2, hkv=2, d=16, dtype=torch.float16)
+    cu_q, cu_k = case.tensors()
+    for name in BACKENDS:
+        backend = dispatch.BACKENDS[name]
+        assert backend.supports(case_inputs(case))[0].endswith("runs on CUDA tensors only, got cpu")
+        with pytest.raises(ValueError, match=f"backend='{name}' cannot run these inputs: "):
+            packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, backend=name)
+    if torch.version.cuda is None:
+        rows = {r.name: r for r in packattn.info()}
+        assert rows["flash_attn"].reason.startswith(f"torch {torch.__version__} is built without CUDA")
+        assert rows["torch_varlen"].reason == f"torch {torch.__version__} is built without CUDA"
