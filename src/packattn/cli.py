@@ -25,10 +25,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import distributed
 
         return distributed.main(["--world-size", str(args.world_size)] + (["--forward-only"] if args.quick else []))
-    from .bench.peers import IMPLEMENTATIONS
+    from .bench.peers import IMPLEMENTATIONS, default_impls
     from .bench.runner import run_suite, write_json, write_plot
 
-    impls = args.impls.split(",") if args.impls else list(IMPLEMENTATIONS)
+    impls = args.impls.split(",") if args.impls else default_impls(args.device)
     if args.quick and not args.impls:
         impls.remove("flex (compiled)")  # compiling takes ~15 s per workload
         print("flex (compiled): left out of --quick (it compiles for each workload); run without --quick")
@@ -43,6 +43,8 @@ def _bench(args: argparse.Namespace) -> int:
         dtypes=args.dtypes.split(","),
         impls=impls,
         min_time=0.2 if args.quick else 1.0,
+        device=args.device,
+        backward=args.backward,
     )
     if args.json:
         write_json(args.json, rows, meta)
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16 (default fp32,bf16)")
     b.add_argument("--impls", help="comma-separated implementations (default: all)")
     b.add_argument("--threads", type=int, help="torch.set_num_threads before timing")
+    b.add_argument("--device", default="cpu", help="device type to run on, e.g. cuda (default cpu)")
+    b.add_argument(
+        "--backward", action="store_true", help="time forward + backward (gradients checked against the oracle)"
+    )
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     b.add_argument(

@@ -1,8 +1,9 @@
 """What a user would run instead of packattn, each written the way its documentation suggests.
 
 ``prepare(workload, q, k, v)`` returns a zero-argument callable that computes the packed output
-``(Tq, Hq, D)``, plus setup timings (mask building, compilation) that are reported apart. A peer that
-cannot run a workload raises :class:`Unsupported` with the reason.
+``(Tq, Hq, D)`` on the device of ``q`` (differentiably: ``packattn bench --backward`` times forward and
+backward), plus setup timings (mask building, compilation) that are reported apart. A peer that cannot run a
+workload raises :class:`Unsupported` with the reason.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class Unsupported(Exception):
     pass
 
 
-def _bottom_right(lq: int, lk: int) -> torch.Tensor:
-    return torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+def _bottom_right(lq: int, lk: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(lk, device=device)[None, :] <= torch.arange(lq, device=device)[:, None] + (lk - lq)
 
 
 def per_sequence_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
@@ -35,7 +36,7 @@ def per_sequence_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.T
     masks = {}
     for lq, lk in zip(wl.lens_q, wl.lens_k):
         if wl.causal and lq != lk and lq > 1 and (lq, lk) not in masks:
-            masks[lq, lk] = _bottom_right(lq, lk)
+            masks[lq, lk] = _bottom_right(lq, lk, q.device)
 
     def run() -> torch.Tensor:
         outs = []
@@ -62,10 +63,11 @@ def padded_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     if need > 8 * 2**30:
         raise Unsupported(f"the padded score matrices would need {need / 2**30:.0f} GiB")
     g = wl.heads_q // wl.heads_kv
-    lens_q, lens_k = torch.tensor(wl.lens_q), torch.tensor(wl.lens_k)
-    i, j = torch.arange(lq_max), torch.arange(lk_max)
-    q_idx = (torch.tensor(wl.cu_q[:-1])[:, None] + i).clamp(max=max(q.shape[0] - 1, 0))
-    k_idx = (torch.tensor(wl.cu_k[:-1])[:, None] + j).clamp(max=max(k.shape[0] - 1, 0))
+    dev = q.device
+    lens_q, lens_k = torch.tensor(wl.lens_q, device=dev), torch.tensor(wl.lens_k, device=dev)
+    i, j = torch.arange(lq_max, device=dev), torch.arange(lk_max, device=dev)
+    q_idx = (torch.tensor(wl.cu_q[:-1], device=dev)[:, None] + i).clamp(max=max(q.shape[0] - 1, 0))
+    k_idx = (torch.tensor(wl.cu_k[:-1], device=dev)[:, None] + j).clamp(max=max(k.shape[0] - 1, 0))
     q_ok = i[None, :] < lens_q[:, None]
     mask = (j[None, None, :] < lens_k[:, None, None]).expand(b, lq_max, lk_max)
     if wl.causal:
@@ -89,7 +91,7 @@ def nested_jagged_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.
     if wl.causal:
         raise Unsupported("SDPA on nested jagged tensors rejects is_causal=True")
     g = wl.heads_q // wl.heads_kv
-    off_q, off_k = torch.tensor(wl.cu_q), torch.tensor(wl.cu_k)
+    off_q, off_k = torch.tensor(wl.cu_q, device=q.device), torch.tensor(wl.cu_k, device=q.device)
 
     def run() -> torch.Tensor:
         kk, vv = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
@@ -112,10 +114,11 @@ def flex_attention(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         from torch.nn.attention.flex_attention import flex_attention as flex
     except ImportError as e:
         raise Unsupported(f"torch {torch.__version__} has no FlexAttention ({e})") from None
-    doc_q = torch.repeat_interleave(torch.arange(len(wl.lens_q)), torch.tensor(wl.lens_q))
-    doc_k = torch.repeat_interleave(torch.arange(len(wl.lens_k)), torch.tensor(wl.lens_k))
-    start_q, start_k = torch.tensor(wl.cu_q[:-1]), torch.tensor(wl.cu_k[:-1])
-    shift = torch.tensor(wl.lens_k) - torch.tensor(wl.lens_q)
+    dev = q.device
+    doc_q = torch.repeat_interleave(torch.arange(len(wl.lens_q), device=dev), torch.tensor(wl.lens_q, device=dev))
+    doc_k = torch.repeat_interleave(torch.arange(len(wl.lens_k), device=dev), torch.tensor(wl.lens_k, device=dev))
+    start_q, start_k = torch.tensor(wl.cu_q[:-1], device=dev), torch.tensor(wl.cu_k[:-1], device=dev)
+    shift = torch.tensor(wl.lens_k, device=dev) - torch.tensor(wl.lens_q, device=dev)
     causal = wl.causal
 
     def document(b, h, qi, kj):
@@ -127,7 +130,7 @@ def flex_attention(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     t0 = time.perf_counter()
     try:
-        block_mask = create_block_mask(document, None, None, q.shape[0], k.shape[0], device="cpu")
+        block_mask = create_block_mask(document, None, None, q.shape[0], k.shape[0], device=str(dev))
     except Exception as e:
         raise Unsupported(f"create_block_mask failed: {type(e).__name__}: {str(e)[:120]}") from None
     t_mask = time.perf_counter() - t0
@@ -152,9 +155,49 @@ def flex_attention(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return run, {"mask_s": t_mask, "compile_s": time.perf_counter() - t0}
 
 
+def _device_offsets(wl: Workload, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor(wl.cu_q, dtype=torch.int32, device=device),
+        torch.tensor(wl.cu_k, dtype=torch.int32, device=device),
+    )
+
+
+def flash_attn_varlen(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+    """flash-attn 2's ``flash_attn_varlen_func``, called directly (CUDA, fp16/bf16)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        raise Unsupported(f"flash_attn does not import ({e})") from None
+    if q.device.type != "cuda" or q.dtype == torch.float32:
+        raise Unsupported("flash_attn runs fp16/bf16 on CUDA only")
+    cu_q, cu_k = _device_offsets(wl, q.device)
+    max_q, max_k = max(wl.lens_q), max(wl.lens_k)
+    return lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=wl.causal), {}
+
+
+def torch_varlen(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
+    """PyTorch's ``torch.nn.attention.varlen.varlen_attn``, called directly (CUDA, fp16/bf16)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        raise Unsupported(f"torch {torch.__version__} has no varlen_attn ({e})") from None
+    if q.device.type != "cuda" or q.dtype == torch.float32:
+        raise Unsupported("varlen_attn runs fp16/bf16 on CUDA only")
+    cu_q, cu_k = _device_offsets(wl, q.device)
+    max_q, max_k, gqa = max(wl.lens_q), max(wl.lens_k), wl.heads_q != wl.heads_kv
+    window = (-1, 0) if wl.causal else (-1, -1)
+
+    def run() -> torch.Tensor:
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window, enable_gqa=gqa)
+        assert isinstance(out, torch.Tensor)  # only return_aux adds the LSE
+        return out
+
+    return run, {}
+
+
 def packattn_backend(name: str | None):
     def prepare(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
-        cu_q, cu_k = torch.tensor(wl.cu_q, dtype=torch.int32), torch.tensor(wl.cu_k, dtype=torch.int32)
+        cu_q, cu_k = _device_offsets(wl, q.device)
         host_q, host_k = wl.cu_q, wl.cu_k
 
         def run() -> torch.Tensor:
@@ -175,12 +218,20 @@ def packattn_backend(name: str | None):
     return prepare
 
 
-# Name -> (prepare, is an external peer). packattn's own reference is timed for context, not as a peer.
-IMPLEMENTATIONS = {
-    "packattn": (packattn_backend(None), False),
-    "per-seq SDPA": (per_sequence_sdpa, True),
-    "padded SDPA": (padded_sdpa, True),
-    "flex (compiled)": (flex_attention, True),
-    "nested SDPA": (nested_jagged_sdpa, True),
-    "packattn reference": (packattn_backend("reference"), False),
+# Name -> (prepare, is an external peer, device types it is run on by default; None: every device).
+# packattn's own backends are timed for context, not as peers.
+IMPLEMENTATIONS: dict[str, tuple[Callable[..., tuple[Run, dict]], bool, tuple[str, ...] | None]] = {
+    "packattn": (packattn_backend(None), False, None),
+    "packattn triton": (packattn_backend("triton"), False, ("cuda",)),
+    "flash-attn": (flash_attn_varlen, True, ("cuda",)),
+    "torch varlen": (torch_varlen, True, ("cuda",)),
+    "per-seq SDPA": (per_sequence_sdpa, True, None),
+    "padded SDPA": (padded_sdpa, True, None),
+    "flex (compiled)": (flex_attention, True, None),
+    "nested SDPA": (nested_jagged_sdpa, True, None),
+    "packattn reference": (packattn_backend("reference"), False, ("cpu",)),
 }
+
+
+def default_impls(device: str) -> list[str]:
+    return [name for name, (_, _, devices) in IMPLEMENTATIONS.items() if devices is None or device in devices]

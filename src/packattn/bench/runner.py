@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..testing import assert_close_to_oracle, attention_naive
-from .peers import IMPLEMENTATIONS, Unsupported
+from .peers import IMPLEMENTATIONS, Run, Unsupported
 from .workloads import Workload, workloads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,28 +35,51 @@ class Row:
 
 
 SLOW_S = 5.0  # an implementation whose first run is slower than this is timed by that run alone
+BACKWARD_FLOPS = 3.5  # forward + backward = 2 + 5 matmuls of the forward's 2 (flash-attention's convention)
 
 
-def median_time(fn, min_time: float, max_reps: int = 25) -> float:
-    """Median seconds of ``fn`` over at least 3 runs and ``min_time`` seconds, after a warm-up run."""
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (timings on an accelerator would otherwise measure launches)."""
+    if device != "cpu":
+        getattr(torch, device).synchronize()
+
+
+def median_time(fn, min_time: float, max_reps: int = 25, device: str = "cpu") -> float:
+    """Median seconds of ``fn`` over at least 3 runs and ``min_time`` seconds, after a warm-up run; a warm-up
+    slower than ``SLOW_S`` is the time itself."""
+    t0 = time.perf_counter()
     fn()
+    synchronize(device)
+    if time.perf_counter() - t0 > SLOW_S:
+        return time.perf_counter() - t0
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps):
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def mm_ceiling(min_time: float) -> float:
-    """GFLOP/s of a 2048^3 fp32 ``torch.mm`` in this process, now."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / median_time(lambda: a @ b, min_time) / 1e9
+def mm_ceiling(min_time: float, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    """GFLOP/s of a 2048^3 ``torch.mm`` in ``dtype`` on ``device`` in this process, now."""
+    a, b = (torch.randn(2048, 2048).to(device, dtype) for _ in range(2))
+    return 2 * 2048**3 / median_time(lambda: a @ b, min_time, device=device) / 1e9
 
 
-def peak_extra_mib(fn, out_bytes: int) -> float:
-    """Peak bytes the call allocates beyond its output, from the profiler's allocation events."""
+def peak_extra_mib(fn, out_bytes: int, device: str = "cpu") -> float | None:
+    """Peak bytes the call allocates beyond its output: the profiler's allocation events on CPU, the caching
+    allocator's peak on CUDA (``None`` elsewhere)."""
+    if device == "cuda":
+        synchronize(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated() - base - out_bytes) / 2**20
+    if device != "cpu":
+        return None
     from torch.profiler import ProfilerActivity, profile
 
     # The profiler's C++ side logs its start and stop on stderr: keep that out of the progress output.
@@ -121,7 +144,7 @@ def oracle_on_rows(wl: Workload, q, k, v, rows: list[int]):
                 cu_q.append(cu_q[-1] + 1)
                 cu_k.append(cu_k[-1] + hi)
         del b
-    kidx = torch.cat(key_rows)
+    kidx = torch.cat(key_rows).to(k.device)
     args = (q[sel_q], k[kidx], v[kidx], cu_q, cu_k)
     ref, _ = attention_naive(*args, dtype=torch.float64)
     plain, _ = attention_naive(*args)
@@ -132,7 +155,7 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_table(rows: list[Row], ceiling: float) -> None:
+def print_table(rows: list[Row], ceilings: dict[str, float]) -> None:
     head = f"{'workload':<9}{'dtype':<6}{'impl':<20}{'max err':>9}{'ms':>10}{'GFLOP/s':>9}{'vs best peer':>13}"
     head += f"{'vs mm':>7}{'extra MiB':>10}  note"
     print(head)
@@ -146,7 +169,7 @@ def print_table(rows: list[Row], ceiling: float) -> None:
             f"{_fmt(r.gflops, '.1f'):>9}{_fmt(r.vs_best_peer, '.2f'):>13}{_fmt(r.vs_mm_ceiling, '.2f'):>7}"
             f"{_fmt(r.peak_extra_mib, '.0f'):>10}  {note}"
         )
-    print(f"torch.mm fp32 ceiling in this run: {ceiling:.1f} GFLOP/s")
+    print("torch.mm ceilings in this run: " + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
 
 
 class Progress:
@@ -168,23 +191,58 @@ class Progress:
         sys.stderr.flush()
 
 
-def bench_one(wl: Workload, dtype: str, impl: str, min_time: float, ceiling: float) -> Row:
+def check_gradients(wl: Workload, dtype: str, impl: str, device: str) -> None:
+    """Gradients of q, k, v against the float64 oracle's, on a copy of ``wl`` small enough for the oracle."""
+    small = wl.capped(128)
+    leaves = [t.requires_grad_() for t in small.tensors(DTYPES[dtype], seed=1, device=device)]
+    run, _ = IMPLEMENTATIONS[impl][0](small, *leaves)
+    dout = torch.randn(leaves[0].shape[0], wl.heads_q, wl.head_dim, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(run(), leaves, dout.to(device, DTYPES[dtype]), allow_unused=True)
+    got = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(got, leaves, strict=True))
+
+    def grads(dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        xs = [t.detach().to(dt).requires_grad_() for t in leaves]
+        out, _ = attention_naive(xs[0], xs[1], xs[2], small.cu_q, small.cu_k, causal=wl.causal)
+        return torch.autograd.grad(out, xs, dout.to(device, dt))
+
+    for name, g, ref, plain in zip("qkv", got, grads(torch.float64), grads(DTYPES[dtype]), strict=True):
+        assert_close_to_oracle(g, ref, plain, name=f"{impl} d{name}")
+
+
+def bench_one(
+    wl: Workload, dtype: str, impl: str, min_time: float, ceiling: float, device: str = "cpu", backward: bool = False
+) -> Row:
+    """Check one implementation on one workload against the oracle, then time it (forward, or forward and
+    backward with ``backward``)."""
     row = Row(wl.name, dtype, impl)
-    prepare, _ = IMPLEMENTATIONS[impl]
-    q, k, v = wl.tensors(DTYPES[dtype])
+    prepare = IMPLEMENTATIONS[impl][0]
+    q, k, v = (t.requires_grad_(backward) for t in wl.tensors(DTYPES[dtype], device=device))
     try:
         run, row.setup = prepare(wl, q, k, v)
     except Unsupported as e:
         row.status = f"skipped: {e}"
         return row
+    step: Run = run
+    if backward:
+        dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=torch.Generator().manual_seed(1))
+        dout = dout.to(device, q.dtype)
+
+        def step() -> torch.Tensor:
+            out = run()
+            torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
+            return out
+
     t0 = time.perf_counter()
-    out = run()
+    out = step().detach()
+    synchronize(device)
     first_s = time.perf_counter() - t0
     rows = sampled_rows(wl)
-    ref, plain = oracle_on_rows(wl, q, k, v, rows)
+    ref, plain = oracle_on_rows(wl, q.detach(), k.detach(), v.detach(), rows)
     try:
         err = assert_close_to_oracle(out[rows], ref, plain, name=impl)
         row.max_error, row.allowed_error = err.actual, err.allowed
+        if backward:
+            check_gradients(wl, dtype, impl, device)
     except AssertionError as e:
         row.status = f"WRONG: {e}"
         return row
@@ -192,35 +250,46 @@ def bench_one(wl: Workload, dtype: str, impl: str, min_time: float, ceiling: flo
         sec = first_s
         row.status = f"timed once ({first_s:.0f} s a run); memory not profiled"
     else:
-        sec = median_time(run, min_time)
+        sec = median_time(step, min_time, device=device)
     row.median_ms = sec * 1e3
-    row.gflops = wl.flops() / sec / 1e9
+    row.gflops = wl.flops() * (BACKWARD_FLOPS if backward else 1) / sec / 1e9
     row.vs_mm_ceiling = row.gflops / ceiling
     if sec < SLOW_S:
-        row.peak_extra_mib = peak_extra_mib(run, out.numel() * out.element_size())
+        row.peak_extra_mib = peak_extra_mib(step, out.numel() * out.element_size(), device)
     return row
 
 
 def run_suite(
-    *, quick: bool, names: list[str] | None, dtypes: list[str], impls: list[str], min_time: float
+    *,
+    quick: bool,
+    names: list[str] | None,
+    dtypes: list[str],
+    impls: list[str],
+    min_time: float,
+    device: str = "cpu",
+    backward: bool = False,
 ) -> tuple[list[Row], dict]:
     chosen = [w for w in workloads(quick) if not names or w.name in names]
     busy = machine_busy()
     meta = {
         "torch": torch.__version__,
+        "device": device,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "quick": quick,
+        "backward": backward,
         "busy_before": busy,
         "workloads": {w.name: f"{w.title}: {w.describe()}" for w in chosen},
     }
     print(
-        f"packattn bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{'quick' if quick else 'full'} run"
+        f"packattn bench: torch {torch.__version__} on {device} (CPU capability "
+        f"{meta['cpu_capability']}, {torch.get_num_threads()} threads), {'quick' if quick else 'full'} run, "
+        f"{'forward + backward' if backward else 'forward'}"
     )
     if busy > 0.15:
         print(f"WARNING: other work keeps the CPUs {busy:.0%} busy; timings (and ratios) may be distorted")
-    ceiling = mm_ceiling(min_time)
-    meta["mm_ceiling_gflops"] = ceiling
+    ceilings = {dt: mm_ceiling(min_time, DTYPES[dt], device) for dt in dict.fromkeys(["fp32", *dtypes])}
+    meta["mm_ceiling_gflops"] = ceilings
     for w in chosen:
         print(f"  {w.name} {w.title}: {w.describe()}")
     progress = Progress(len(chosen) * len(dtypes) * len(impls))
@@ -229,7 +298,7 @@ def run_suite(
         for dt in dtypes:
             group = []
             for impl in impls:
-                group.append(bench_one(w, dt, impl, min_time, ceiling))
+                group.append(bench_one(w, dt, impl, min_time, ceilings[dt], device, backward))
                 progress.step(f"{w.name} {dt} {impl}")
             peers = [r.median_ms for r in group if r.median_ms and IMPLEMENTATIONS[r.impl][1]]
             for r in group:
@@ -238,7 +307,7 @@ def run_suite(
             rows += group
     busy_after = machine_busy()
     meta["busy_after"] = busy_after
-    print_table(rows, ceiling)
+    print_table(rows, ceilings)
     if busy_after > 0.15:
         print(f"WARNING: other work kept the CPUs {busy_after:.0%} busy at the end of the run")
     return rows, meta

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,13 +49,19 @@ class Workload:
             f"D={self.head_dim}, {'causal' if self.causal else 'non-causal'}"
         )
 
-    def tensors(self, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    def tensors(self, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, ...]:
         gen = torch.Generator().manual_seed(seed)
         tq, tk = sum(self.lens_q), sum(self.lens_k)
-        q = torch.randn(tq, self.heads_q, self.head_dim, generator=gen).to(dtype)
-        k = torch.randn(tk, self.heads_kv, self.head_dim, generator=gen).to(dtype)
-        v = torch.randn(tk, self.heads_kv, self.head_dim, generator=gen).to(dtype)
+        q = torch.randn(tq, self.heads_q, self.head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(tk, self.heads_kv, self.head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(tk, self.heads_kv, self.head_dim, generator=gen).to(device, dtype)
         return q, k, v
+
+    def capped(self, length: int, count: int = 8) -> Workload:
+        """The first ``count`` sequences with both sides cut to at most ``length``: the same kind of problem,
+        small enough for the full float64 oracle (gradients are checked on it)."""
+        lq, lk = self.lens_q[:count], self.lens_k[:count]
+        return replace(self, lens_q=tuple(min(n, length) for n in lq), lens_k=tuple(min(n, length) for n in lk))
 
 
 def _offsets(lens: tuple[int, ...]) -> list[int]:
