@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from .plan import ShardPlan, ranges_index
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -31,15 +34,23 @@ class Ring:
         return dist.batch_isend_irecv(ops)
 
 
-def wait(requests: list[Any] | None) -> None:
-    for r in requests or ():
-        r.wait()
+def wait(requests: list[Any] | None, ring: Ring, where: str) -> None:
+    """Wait for a ring hop; a peer that died or stopped answering is an error naming the peers, raised when
+    the transport notices (a closed connection) or at the process group's ``timeout`` at the latest."""
+    try:
+        for r in requests or ():
+            r.wait()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{where}: the ring hop between rank {ring.prev_peer} (sending to this rank) and rank "
+            f"{ring.next_peer} (receiving from it) failed: a peer exited or did not answer within the process "
+            f"group's timeout ({str(e).strip().splitlines()[0][:200]})"
+        ) from e
 
 
-def resolve_group(group: Any, plan: object, where: str) -> Ring:
-    """Check that torch.distributed is ready and that ``plan`` was built for this rank of ``group``."""
-    if not isinstance(plan, ShardPlan):
-        raise TypeError(f"{where}: plan must be a ShardPlan (see ShardPlan.build), got {type(plan).__name__}")
+def join_group(group: Any, where: str) -> Ring:
+    """This process's place in ``group``, or a local error when it cannot take part in any exchange (no
+    process group, a process outside the group): those are the only errors raised before the ranks talk."""
     if not dist.is_available():
         raise RuntimeError(f"{where}: torch.distributed is not available in this PyTorch build")
     if not dist.is_initialized():
@@ -58,20 +69,27 @@ def resolve_group(group: Any, plan: object, where: str) -> Ring:
             "call it only on the group's ranks"
         )
     size = dist.get_world_size(group)
-    if plan.world_size != size:
-        raise ValueError(
-            f"{where}: plan was built for world_size={plan.world_size}, but the group has {size} ranks; "
-            "build the plan with world_size=dist.get_world_size(group)"
-        )
-    if plan.rank != rank:
-        raise ValueError(
-            f"{where}: plan was built for rank {plan.rank}, but this process is rank {rank} of the group; "
-            "build the plan with rank=dist.get_rank(group)"
-        )
     world = cast(dist.ProcessGroup, group if group is not None else dist.group.WORLD)
     nxt = dist.get_global_rank(world, (rank + 1) % size)
     prv = dist.get_global_rank(world, (rank - 1) % size)
     return Ring(group, size, rank, nxt, prv)
+
+
+def check_plan(plan: object, ring: Ring, where: str) -> ShardPlan:
+    """``plan`` is a :class:`ShardPlan` built for this rank of the group."""
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"{where}: plan must be a ShardPlan (see ShardPlan.build), got {type(plan).__name__}")
+    if plan.world_size != ring.size:
+        raise ValueError(
+            f"{where}: plan was built for world_size={plan.world_size}, but the group has {ring.size} ranks; "
+            "build the plan with world_size=dist.get_world_size(group)"
+        )
+    if plan.rank != ring.rank:
+        raise ValueError(
+            f"{where}: plan was built for rank {plan.rank}, but this process is rank {ring.rank} of the group; "
+            "build the plan with rank=dist.get_rank(group)"
+        )
+    return plan
 
 
 FINGERPRINT_SLOTS = 16  # fixed width, so that calls with different option sets still gather equal sizes
@@ -82,32 +100,45 @@ def _digest(value: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def check_agreement(plan: ShardPlan, ring: Ring, where: str, device: torch.device, options: dict[str, object]) -> None:
-    """Raise a ValueError on every rank unless all ranks of the group pass the same plan and ``options``.
+def collective_check(ring: Ring, where: str, device: torch.device, validate: Callable[[], tuple[dict, T]]) -> T:
+    """Validate this rank's call, then settle with every rank of the group, before any data moves, that all
+    ranks may go on: one all-gather of a status flag and one hash per item that ranks must agree on.
 
-    Ranks that disagree would otherwise exchange buffers of different sizes (a gloo size error, an NCCL
-    hang) or compute silently wrong results. The first call per plan, group and options all-gathers one
-    int64 hash per item (one small collective); later calls find the answer in the plan's cache. So a rank
-    that switches to new options while the others repeat a call they already checked is not caught: it
-    waits alone in the check, as in any collective called by only some ranks.
+    ``validate()`` raises TypeError/ValueError for this rank's bad input, or returns the items ranks must
+    agree on (plan, options, head counts, dims, dtype) and what the caller needs next. If any rank failed,
+    every rank raises: the failing ranks their own error, the others a ValueError naming each failing rank
+    and its message (one more exchange, only then). If ranks disagree, every rank raises a ValueError naming
+    what differs. Otherwise ``validate``'s result is returned. So one rank's bad input never leaves the
+    others waiting in a collective it will not join (a hang until the process group's timeout on NCCL).
     """
-    key = ("agreed", where, ring.group, tuple(options.items()))
-    if ring.size == 1 or key in plan.cache:
-        return
-    items: dict[str, object] = {
-        "the function": where,
-        "plan.balance": plan.balance,
-        "plan.global_cu_seqlens_q": plan.global_cu_seqlens_q,
-        "plan.global_cu_seqlens_k": plan.global_cu_seqlens_k,
-        **options,
-    }
-    mine = torch.zeros(FINGERPRINT_SLOTS, dtype=torch.int64)
-    mine[: len(items)] = torch.tensor([_digest(v) for v in items.values()], dtype=torch.int64)
+    error: TypeError | ValueError | None = None
+    try:
+        items, result = validate()
+    except (TypeError, ValueError) as e:
+        items, result, error = {}, None, e
+    if ring.size == 1:
+        if error is not None:
+            raise error
+        return cast(T, result)
+    items = {"the function": where, **items}
+    mine = torch.zeros(1 + FINGERPRINT_SLOTS, dtype=torch.int64)
+    mine[0] = int(error is not None)
+    mine[1 : 1 + len(items)] = torch.tensor([_digest(v) for v in items.values()], dtype=torch.int64)
     parts = [torch.empty_like(mine, device=device) for _ in range(ring.size)]
     dist.all_gather(parts, mine.to(device), group=ring.group)
     table = torch.stack(parts).cpu()
+    failed = [r for r in range(ring.size) if table[r, 0]]
+    if failed:
+        messages: list[Any] = [None] * ring.size
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", ring.group)
+        if error is not None:
+            raise error
+        raise ValueError(
+            f"{where}: rank {', '.join(map(str, failed))} of the group rejected its input, so every rank stops "
+            "before exchanging data: " + " | ".join(f"rank {r}: {messages[r]}" for r in failed)
+        )
     differ = []
-    for i, (name, value) in enumerate(items.items()):
+    for i, (name, value) in enumerate(items.items(), start=1):
         same = [r for r in range(ring.size) if table[r, i] == table[ring.rank, i]]
         if len(same) < ring.size:
             others = [r for r in range(ring.size) if r not in same]
@@ -118,11 +149,20 @@ def check_agreement(plan: ShardPlan, ring: Ring, where: str, device: torch.devic
             f"{where}: ranks disagree on " + "; ".join(differ) + ". Every rank of the group must pass the same "
             "plan (built from the same global cu_seqlens and balance), options, head counts, head dims and dtype"
         )
-    plan.cache[key] = True
+    return cast(T, result)
+
+
+def plan_items(plan: ShardPlan) -> dict[str, object]:
+    """What the ranks' plans must agree on."""
+    return {
+        "plan.balance": plan.balance,
+        "plan.global_cu_seqlens_q": plan.global_cu_seqlens_q,
+        "plan.global_cu_seqlens_k": plan.global_cu_seqlens_k,
+    }
 
 
 def attention_options(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> dict[str, object]:
-    """What the ranks of one sequence-parallel attention call must agree on (see :func:`check_agreement`)."""
+    """What the ranks of one sequence-parallel attention call must agree on (see :func:`collective_check`)."""
     return {
         "q heads and head dim (q.shape[1:])": tuple(q.shape[1:]),
         "key/value heads (k.shape[1])": k.shape[1],
@@ -156,7 +196,13 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    try:
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "ulysses_varlen_attention: the all-to-all failed: a peer exited or did not answer within the process "
+            f"group's timeout ({str(e).strip().splitlines()[0][:200]})"
+        ) from e
     return out
 
 
@@ -215,12 +261,16 @@ class _Unshard(torch.autograd.Function):
 
 
 def unshard(plan: ShardPlan, x: object, side: str, group: Any, where: str) -> torch.Tensor:
-    ring = resolve_group(group, plan, where)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: x_local must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0:
-        raise ValueError(f"{where}: x_local must have a row dimension, got a 0-d tensor")
-    expected = plan.local_q if side == "q" else plan.local_k
-    check_rows(x, expected, "x_local", side, plan, where)
-    check_agreement(plan, ring, where, x.device, {"x_local.shape[1:]": tuple(x.shape[1:]), "dtype": x.dtype})
-    return _Unshard.apply(x, plan, side, group)
+    ring = join_group(group, where)
+
+    def validate() -> tuple[dict, torch.Tensor]:
+        check_plan(plan, ring, where)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{where}: x_local must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0:
+            raise ValueError(f"{where}: x_local must have a row dimension, got a 0-d tensor")
+        check_rows(x, plan.local_q if side == "q" else plan.local_k, "x_local", side, plan, where)
+        return {**plan_items(plan), "x_local.shape[1:]": tuple(x.shape[1:]), "dtype": x.dtype}, x
+
+    local = collective_check(ring, where, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), validate)
+    return _Unshard.apply(local, plan, side, group)

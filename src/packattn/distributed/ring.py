@@ -24,7 +24,7 @@ from .. import dispatch
 from ..inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, compute_dtype
 from ..layout import SeqLayout
 from ..merge import merge_attention_states
-from .comm import Ring, attention_options, check_agreement, check_rows, resolve_group, wait
+from .comm import Ring, attention_options, check_plan, check_rows, collective_check, join_group, plan_items, wait
 from .plan import ShardPlan, offsets_on, ranges_index
 from .schedule import Call, ring_schedule, windows
 
@@ -133,7 +133,7 @@ def _forward(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
             else:
                 out.index_copy_(0, job.q_idx, merged)
                 lse.index_copy_(1, job.q_idx, merged_lse)
-        wait(pending)
+        wait(pending, setup.ring, setup.where)
         if nxt is not None:
             buf = nxt
     return out.to(q.dtype), lse
@@ -208,7 +208,7 @@ def _backward(
             _add_rows(dq, job.q_idx, dq_j)
             _add_rows(dkb, job.k_idx, dk_j)
             _add_rows(dvb, job.k_idx, dv_j)
-        wait(grad_pending)
+        wait(grad_pending, ring, setup.where)
         if grad_in is not None:
             grad += grad_in  # what the ranks before us added to these keys
         if ring.size > 1:
@@ -222,10 +222,10 @@ def _backward(
             grad_pending = ring.shift(grad, grad_in)
         else:
             grad_in = grad
-        wait(kv_pending)
+        wait(kv_pending, ring, setup.where)
         if nxt is not None:
             buf = nxt
-    wait(grad_pending)
+    wait(grad_pending, ring, setup.where)
     dk, dv = _unpack(cast(torch.Tensor, grad_in), plan.local_k, k, v)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -339,8 +339,12 @@ def ring_varlen_attention(
 
     Collective: every rank of ``group`` calls it with the same options, head counts, head dims and dtype
     and a plan built from the same global batch for its rank, and every rank takes part in the backward if
-    any does. The first call per plan, group and options checks the agreement with one small all-gather
-    and raises a ValueError on every rank naming what differs (e.g. ``ranks disagree on causal``).
+    any does. Every call first validates this rank's inputs and settles with all ranks, in one small
+    all-gather before any data moves, that every rank may go on: if any rank's input is bad, every rank
+    raises (the others a ValueError naming that rank and its message), and if ranks disagree, every rank
+    raises a ValueError naming what differs (e.g. ``ranks disagree on causal``). A peer that exits or stops
+    answering during the ring is a RuntimeError on its neighbours when the transport notices, at the process
+    group's ``timeout`` at the latest.
 
     Args:
         q, k, v: this rank's rows, e.g. ``plan.shard_q(q_global)``, ``plan.shard_k(k_global)``.
@@ -355,20 +359,25 @@ def ring_varlen_attention(
         ``out``, or ``(out, lse)`` with ``return_lse=True``.
     """
     where = "ring_varlen_attention"
-    check_tensors(q, k, v, where)
-    mask = check_mask(
-        q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
-    )
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
-    dispatch.check_backend_name(backend, where)
-    ring = resolve_group(group, plan, where)
-    check_rows(q, plan.local_q, "q", "q", plan, where)
-    check_rows(k, plan.local_k, "k", "k", plan, where)
-    options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
-    check_agreement(plan, ring, where, q.device, attention_options(q, k, v, **options, backend=backend))
-    setup = _setup(plan, ring, mask, backend, q.device)
-    _check_backend(setup, q, k, v, mask)
+    ring = join_group(group, where)
+
+    def validate() -> tuple[dict, _Setup]:
+        check_tensors(q, k, v, where)
+        mask = check_mask(
+            q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
+        )
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
+        dispatch.check_backend_name(backend, where)
+        check_plan(plan, ring, where)
+        check_rows(q, plan.local_q, "q", "q", plan, where)
+        check_rows(k, plan.local_k, "k", "k", plan, where)
+        setup = _setup(plan, ring, mask, backend, q.device)
+        _check_backend(setup, q, k, v, mask)
+        options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
+        return {**plan_items(plan), **attention_options(q, k, v, **options, backend=backend)}, setup
+
+    setup = collective_check(ring, where, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), validate)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _RingAttention.apply(q, k, v, setup)
     else:

@@ -21,11 +21,13 @@ from ..inputs import check_mask, check_tensors
 from .comm import (
     all_to_all,
     attention_options,
-    check_agreement,
+    check_plan,
     check_rows,
+    collective_check,
     gather_order,
+    join_group,
+    plan_items,
     rank_major_rows,
-    resolve_group,
 )
 from .plan import ShardPlan, offsets_on
 
@@ -136,23 +138,29 @@ def ulysses_varlen_attention(
         ``out``, or ``(out, lse)`` with ``return_lse=True``.
     """
     where = "ulysses_varlen_attention"
-    check_tensors(q, k, v, where)
-    check_mask(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
-    dispatch.check_backend_name(backend, where)
-    ring = resolve_group(group, plan, where)
-    check_rows(q, plan.local_q, "q", "q", plan, where)
-    check_rows(k, plan.local_k, "k", "k", plan, where)
+    ring = join_group(group, where)
     mask = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
-    agreed = attention_options(q, k, v, **mask, return_lse=return_lse, backend=backend)
-    check_agreement(plan, ring, where, q.device, agreed)
-    w, hq, hkv = ring.size, q.shape[1], k.shape[1]
-    if hq % w != 0:
-        raise ValueError(
-            f"{where}: the number of query heads (q.shape[1] = {hq}) must be divisible by the group size ({w}), "
-            "since each rank attends with Hq / world_size heads; use ring_varlen_attention for this head count"
-        )
+
+    def validate() -> tuple[dict, None]:
+        check_tensors(q, k, v, where)
+        check_mask(q, where=where, **mask)  # type: ignore[arg-type]
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
+        dispatch.check_backend_name(backend, where)
+        check_plan(plan, ring, where)
+        check_rows(q, plan.local_q, "q", "q", plan, where)
+        check_rows(k, plan.local_k, "k", "k", plan, where)
+        if q.shape[1] % ring.size != 0:
+            raise ValueError(
+                f"{where}: the number of query heads (q.shape[1] = {q.shape[1]}) must be divisible by the group "
+                f"size ({ring.size}), since each rank attends with Hq / world_size heads; use "
+                "ring_varlen_attention for this head count"
+            )
+        options = attention_options(q, k, v, **mask, return_lse=return_lse, backend=backend)
+        return {**plan_items(plan), **options}, None
+
+    collective_check(ring, where, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), validate)
+    w, hkv = ring.size, k.shape[1]
     repeat = w // math.gcd(hkv, w)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
