@@ -218,6 +218,34 @@ def case_native_autograd_backend(group: Any) -> None:
         del dispatch.BACKENDS["native_reference"]
 
 
+def case_device_priority(group: Any, *, method: str) -> None:
+    """Ring and Ulysses pick each block's backend through the device's dispatch order: a backend put first
+    for CPU tensors (as a CUDA or NPU backend is for its device) runs every block, forward and backward."""
+    ran: list[str] = []
+
+    def counting(name: str) -> Any:
+        def run(*args: Any) -> Any:
+            ran.append(name)
+            return getattr(reference, name)(*args)
+
+        return run
+
+    fake = types.SimpleNamespace(
+        NAME="device_first",
+        NATIVE_AUTOGRAD=False,
+        unavailable_reason=lambda: None,
+        supports=lambda inp: [],
+        forward=counting("forward"),
+        backward=counting("backward"),
+    )
+    with (
+        mock.patch.dict(dispatch.BACKENDS, {"device_first": fake}),
+        mock.patch.dict(dispatch.PRIORITY, {"cpu": ("device_first", *dispatch.PRIORITY["cpu"])}),
+    ):
+        case_matches_single_process(group, method=method, balance="zigzag", mask="causal")
+    assert "forward" in ran and "backward" in ran
+
+
 def case_errors(group: Any) -> None:
     """Bad plans and shapes raise the same clear error on every rank, before any communication."""
     w, r = dist.get_world_size(group), dist.get_rank(group)
@@ -360,6 +388,7 @@ CASES = {
     "matches": case_matches_single_process,
     "no_grad_and_unshard": case_no_grad_and_unshard,
     "native_autograd": case_native_autograd_backend,
+    "device_priority": case_device_priority,
     "errors": case_errors,
     "not_a_member": case_not_a_member,
     "disagree": case_ranks_disagree,
@@ -425,6 +454,11 @@ def test_no_grad_and_unshard(cluster, method):
 
 def test_backend_with_native_autograd_only(cluster):
     cluster.run("native_autograd", "ws2")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ring_and_ulysses_use_the_device_dispatch_order(cluster, method):
+    cluster.run("device_priority", "ws3", method=method)
 
 
 @pytest.mark.parametrize("group", ["ws2", "ws4"])
