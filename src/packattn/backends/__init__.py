@@ -6,12 +6,13 @@ dispatch tries them for tensors of each device type (the first that supports the
 outside a device's list runs there only when asked for by name (``backend="..."``).
 """
 
-from . import cpu, reference, sdpa
+from . import cpu, npu, reference, sdpa
 
-ALL = (cpu, sdpa, reference)
+ALL = (cpu, sdpa, npu, reference)
 
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu", "sdpa", "reference"),
     "cuda": ("sdpa", "reference"),
+    "npu": ("npu", "reference"),
 }
 OTHER_DEVICES = ("sdpa", "reference")  # mps, xpu, ...: what runs on every device
