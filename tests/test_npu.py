@@ -219,7 +219,9 @@ def test_unavailable_without_torch_npu(monkeypatch):
 
 
 def test_importing_packattn_does_not_import_torch_npu():
-    code = "import sys, packattn; packattn.info(); assert 'torch_npu' not in sys.modules"
+    # torch may autoload torch_npu itself on an Ascend machine; packattn must not add the import.
+    code = "import sys, torch; pre = 'torch_npu' in sys.modules; import packattn; packattn.info(); "
+    code += "assert pre or 'torch_npu' not in sys.modules"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
 

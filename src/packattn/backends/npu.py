@@ -256,19 +256,26 @@ def _training(inp: AttentionInputs) -> bool:
 
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     q, v = inp.q, inp.v
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     seqs, sparse = _visible_part(inp), _Sparse.of(inp.mask)
     use_fia = not _training(inp) and _fia_fits(inp, seqs, sparse)
     run, limits = (_fia, (FIA_MAX_BATCH, FIA_MAX_TOKENS)) if use_fia else (_fa, (FA_MAX_BATCH, FA_MAX_TOKENS))
-    for group in _calls(seqs, *limits):
+    groups = list(_calls(seqs, *limits))
+    if len(groups) == 1 and _runs([(s.qs, s.qe) for s in seqs]) == [(0, q.shape[0])]:
+        # Every query row is computed in one call: the kernel's results are the answer.
+        kc, vc = _gather(inp.k, [(s.ks, s.ke) for s in seqs]), _gather(v, [(s.ks, s.ke) for s in seqs])
+        o, group_lse = run(inp, q.contiguous(), kc, vc, seqs, sparse, inp.return_lse)
+        return o, (None if group_lse is None else group_lse.transpose(0, 1).float().contiguous())
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    lse = None
+    if inp.return_lse:
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for group in groups:
         rows, keys = [(s.qs, s.qe) for s in group], [(s.ks, s.ke) for s in group]
-        kc, vc = _gather(inp.k, keys), _gather(v, keys)
-        o, group_lse = run(inp, _gather(q, rows), kc, vc, group, sparse, inp.return_lse)
+        o, group_lse = run(inp, _gather(q, rows), _gather(inp.k, keys), _gather(v, keys), group, sparse, inp.return_lse)
         _scatter(out, o, rows)
-        if group_lse is not None:
+        if lse is not None and group_lse is not None:
             _scatter(lse, group_lse.transpose(0, 1).float(), rows, dim=1)
-    return out, (lse if inp.return_lse else None)
+    return out, lse
 
 
 def backward(
