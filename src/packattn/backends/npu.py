@@ -25,6 +25,10 @@ that a bottom-right mask hides completely (varlen masks must not hide a whole ro
 kernel's limits are split into several calls. Soft-capping, float64, ``Dv > D`` and the other limits
 above are refused in :func:`supports` with the reason, so dispatch falls back to the reference path.
 
+FA's documentation places it in training; its forward serves here the inference cases that FIA's TND path
+does not take. The call translation is checked against an interface model of the documented semantics
+(``tests/npu_model.py``); the same tests run on Ascend hardware with ``PACKATTN_TEST_DEVICE=npu``.
+
 Sources (torch_npu 2.13.0 wheel and the Ascend op-plugin documentation it embeds):
 ``torch_npu/_op_plugin_docs.py`` (``npu_fused_infer_attention_score``: "TND场景下query、key、value输入的
 综合限制"; ``npu_fusion_attention``: parameters, sparse_mode table and "约束说明"),
