@@ -26,11 +26,14 @@ class _Attention(torch.autograd.Function):
         out, lse = backend.forward(inp)
         ctx.backend, ctx.layout, ctx.mask = backend, inp.layout, inp.mask
         ctx.save_for_backward(q, k, v, out, lse)  # saved tensors: autograd catches later in-place edits
+        ctx.set_materialize_grads(False)  # an unused LSE gets no gradient (None), so a backend can skip that term
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
         inp = AttentionInputs(q, k, v, ctx.layout, ctx.mask, return_lse=True)
         dq, dk, dv = ctx.backend.backward(inp, out, lse, dout.contiguous(), dlse)
         return dq, dk, dv, None, None

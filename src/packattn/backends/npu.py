@@ -1,0 +1,317 @@
+"""Ascend NPU attention through ``torch_npu``'s fused kernels, in the packed TND layout.
+
+Two documented kernels run a packed batch in one call each:
+
+* ``torch_npu.npu_fused_infer_attention_score`` (FIA) for inference, when its TND limits hold: bfloat16,
+  Q/K head dim 192 with V head dim 128 or 192, equal query and key/value heads in {8, 16, 32, 64, 128},
+  at most 65536 tokens and 4096 sequences per call, causal only where every sequence has fewer queries
+  than keys. Its LSE ``(T, N, 1)`` (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
+* ``torch_npu.npu_fusion_attention`` (FA) for everything else it takes, and for inputs that require grad:
+  fp16/bf16/fp32, ``D <= 768`` with ``Dv <= D``, up to 256 query heads (GQA/MQA by head ratio), at most
+  1024 sequences and 1M tokens per call. Its LSE is ``softmax_max + log(softmax_sum)`` (both
+  ``(T, N, 8)`` with ``softmax_layout="TND"``, every lane equal), as torch_npu's own context-parallel
+  attention derives it. Its backward ``npu_fusion_attention_grad`` gets ``softmax_max = LSE`` and
+  ``softmax_sum = 1``, which give the same probabilities ``exp(s - max) / sum``. The fused grad op has no
+  input for a gradient of the LSE: when one is given, the exact reference backward runs instead.
+
+Offsets go to both kernels as cumulative ends without the leading 0 (``actual_seq_lengths`` /
+``actual_seq_qlen``), built from the host copies (no device sync); ``scale`` is always passed (its default
+is 1.0). Masks use the documented bottom-right modes: causal is ``sparse_mode=3``, a window
+``(left, right)`` is band mode ``sparse_mode=4`` with ``pre_tokens=left`` and ``next_tokens=right``
+(``2**31 - 1`` for unbounded), both with the compressed ``2048 x 2048`` upper-triangular mask (True =
+masked). What the kernels cannot express is handled around them: sequences without keys give out 0 and
+LSE ``-inf`` and are left out of the call, as are sequences without queries and the leading query rows
+that a bottom-right mask hides completely (varlen masks must not hide a whole row); batches beyond a
+kernel's limits are split into several calls. Soft-capping, float64, ``Dv > D`` and the other limits
+above are refused in :func:`supports` with the reason, so dispatch falls back to the reference path.
+
+FA's documentation places it in training; its forward serves here the inference cases that FIA's TND path
+does not take. The call translation is checked against an interface model of the documented semantics
+(``tests/npu_model.py``); the same tests run on Ascend hardware with ``PACKATTN_TEST_DEVICE=npu``.
+
+Sources (torch_npu 2.13.0 wheel and the Ascend op-plugin documentation it embeds):
+``torch_npu/_op_plugin_docs.py`` (``npu_fused_infer_attention_score``: "TND场景下query、key、value输入的
+综合限制"; ``npu_fusion_attention``: parameters, sparse_mode table and "约束说明"),
+``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` (op schemas),
+``torch_npu/op_plugin/meta/_meta_registrations.py`` (output shapes),
+``torch_npu/distributed/tensor/experimental/_context_parallel/_npu_attention.py`` (LSE from
+softmax_max/sum); https://gitee.com/ascend/op-plugin (docs of both ops).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..inputs import AttentionInputs, MaskSpec
+from . import reference
+
+NAME = "npu"
+NATIVE_AUTOGRAD = False
+DEVICE_TYPE = "npu"  # the device this backend serves (tests of the call translation point it at "cpu")
+
+UNBOUNDED = 2**31 - 1  # pre_tokens / next_tokens default: no bound
+MASK_SIDE = 2048  # the compressed causal mask the bottom-right sparse modes take
+FIA_HEADS = (8, 16, 32, 64, 128)
+FIA_DIMS = ((192, 128), (192, 192))
+FIA_MAX_BATCH, FIA_MAX_TOKENS = 4096, 65536
+FA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FA_MAX_DIM, FA_MAX_HEADS = 768, 256
+FA_MAX_BATCH, FA_MAX_TOKENS = 1024, 2**20
+
+
+def unavailable_reason() -> str | None:
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not installed"
+    return None
+
+
+def supports(inp: AttentionInputs) -> list[str]:
+    why = []
+    if inp.q.device.type != DEVICE_TYPE:
+        why.append(f"runs on {DEVICE_TYPE} tensors only, got {inp.q.device}")
+    if inp.mask.softcap > 0:
+        why.append(f"torch_npu's fused attention has no soft-capping (softcap={inp.mask.softcap})")
+    if inp.q.dtype not in FA_DTYPES:
+        why.append(f"npu_fusion_attention takes float16, bfloat16 or float32, got {inp.q.dtype}")
+    if inp.head_dim_v > inp.head_dim:
+        why.append(f"npu_fusion_attention needs Dv <= D, got D={inp.head_dim} and Dv={inp.head_dim_v}")
+    if inp.head_dim > FA_MAX_DIM:
+        why.append(f"head_dim={inp.head_dim} > {FA_MAX_DIM} (npu_fusion_attention's maximum)")
+    if inp.heads_q > FA_MAX_HEADS:
+        why.append(f"{inp.heads_q} query heads > {FA_MAX_HEADS} (npu_fusion_attention's maximum)")
+    longest = max(inp.layout.max_q, inp.layout.max_k)
+    if longest > FA_MAX_TOKENS:
+        why.append(f"a sequence of {longest} tokens > {FA_MAX_TOKENS} (npu_fusion_attention's maximum)")
+    return why
+
+
+def _ops() -> Any:
+    return importlib.import_module("torch_npu")
+
+
+@dataclass(frozen=True)
+class _Seq:
+    """The part of one sequence a kernel computes: query rows ``[qs, qe)`` against key rows ``[ks, ke)``."""
+
+    qs: int
+    qe: int
+    ks: int
+    ke: int
+
+
+def _visible_part(inp: AttentionInputs) -> list[_Seq]:
+    """Every sequence's query rows that see at least one key, with its keys; the rest is 0 / -inf.
+
+    Bottom-right masks only ever hide leading rows: row ``i`` sees no key iff ``i + Lk - Lq + right < 0``.
+    Dropping them keeps the alignment, since ``Lk - Lq`` grows by the number dropped.
+    """
+    right = inp.mask.right
+    seqs = []
+    for qs, qe, ks, ke in inp.layout.sequences():
+        lq, lk = qe - qs, ke - ks
+        hidden = max(0, lq - lk - right) if right >= 0 else 0
+        if lk > 0 and hidden < lq:
+            seqs.append(_Seq(qs + hidden, qe, ks, ke))
+    return seqs
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` with adjacent ones merged (fewer slices to copy)."""
+    runs: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        elif b > a:
+            runs.append((a, b))
+    return runs
+
+
+def _gather(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``ranges`` of ``x``, packed and contiguous (the kernels take no strided tensors)."""
+    runs = _runs(ranges)
+    if len(runs) == 1:
+        return x[runs[0][0] : runs[0][1]].contiguous()
+    return torch.cat([x[a:b] for a, b in runs]).contiguous()
+
+
+def _scatter(dst: torch.Tensor, src: torch.Tensor, ranges: list[tuple[int, int]], dim: int = 0) -> None:
+    """Inverse of :func:`_gather`: write the packed rows ``src`` back to ``ranges`` of ``dst`` along ``dim``."""
+    at = 0
+    for a, b in _runs(ranges):
+        dst.narrow(dim, a, b - a).copy_(src.narrow(dim, at, b - a))
+        at += b - a
+
+
+def _calls(seqs: list[_Seq], max_batch: int, max_tokens: int) -> Iterator[list[_Seq]]:
+    """Consecutive groups of ``seqs`` within a kernel's per-call limits on sequences and tokens."""
+    group: list[_Seq] = []
+    tq = tk = 0
+    for s in seqs:
+        lq, lk = s.qe - s.qs, s.ke - s.ks
+        if group and (len(group) == max_batch or tq + lq > max_tokens or tk + lk > max_tokens):
+            yield group
+            group, tq, tk = [], 0, 0
+        group.append(s)
+        tq, tk = tq + lq, tk + lk
+    if group:
+        yield group
+
+
+def _ends(lengths: list[int]) -> list[int]:
+    """Cumulative ends without the leading 0: ``[2, 3]`` -> ``[2, 5]``."""
+    out, total = [], 0
+    for n in lengths:
+        total += n
+        out.append(total)
+    return out
+
+
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class _Sparse:
+    """The documented sparse-mode arguments for our bottom-right mask."""
+
+    mode: int
+    pre: int
+    next: int
+
+    @staticmethod
+    def of(mask: MaskSpec) -> _Sparse:
+        if mask.left < 0 and mask.right < 0:
+            return _Sparse(0, UNBOUNDED, UNBOUNDED)
+        if mask.left < 0 and mask.right == 0:
+            return _Sparse(3, UNBOUNDED, UNBOUNDED)
+        pre = UNBOUNDED if mask.left < 0 else mask.left
+        return _Sparse(4, pre, UNBOUNDED if mask.right < 0 else mask.right)
+
+    def atten_mask(self, device: torch.device) -> torch.Tensor | None:
+        if self.mode == 0:
+            return None
+        if device not in _MASKS:
+            _MASKS[device] = torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool, device=device).triu_(1)
+        return _MASKS[device]
+
+
+def _fia_fits(inp: AttentionInputs, seqs: list[_Seq], sparse: _Sparse) -> bool:
+    """Whether FIA's documented TND limits hold (sequences/tokens per call are split to fit)."""
+    if inp.q.dtype != torch.bfloat16 or (inp.head_dim, inp.head_dim_v) not in FIA_DIMS:
+        return False
+    if inp.heads_q != inp.heads_kv or inp.heads_q not in FIA_HEADS:
+        return False
+    if any(max(s.qe - s.qs, s.ke - s.ks) > FIA_MAX_TOKENS for s in seqs):
+        return False
+    return sparse.mode != 3 or all(s.qe - s.qs < s.ke - s.ks for s in seqs)
+
+
+def _fia(inp: AttentionInputs, q, k, v, group: list[_Seq], sparse: _Sparse, with_lse: bool):
+    out, lse = _ops().npu_fused_infer_attention_score(
+        q,
+        k,
+        v,
+        atten_mask=sparse.atten_mask(q.device),
+        actual_seq_lengths=_ends([s.qe - s.qs for s in group]),
+        actual_seq_lengths_kv=_ends([s.ke - s.ks for s in group]),
+        num_heads=inp.heads_q,
+        num_key_value_heads=inp.heads_kv,
+        scale=inp.mask.scale,
+        pre_tokens=sparse.pre,
+        next_tokens=sparse.next,
+        input_layout="TND",
+        sparse_mode=sparse.mode,
+        softmax_lse_flag=with_lse,
+    )
+    return out, (lse[..., 0] if with_lse else None)
+
+
+def _fa_args(inp: AttentionInputs, group: list[_Seq], sparse: _Sparse, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments that forward and backward share."""
+    return {
+        "atten_mask": sparse.atten_mask(device),
+        "keep_prob": 1.0,
+        "pre_tockens": sparse.pre,
+        "next_tockens": sparse.next,
+        "actual_seq_qlen": _ends([s.qe - s.qs for s in group]),
+        "actual_seq_kvlen": _ends([s.ke - s.ks for s in group]),
+        "sparse_mode": sparse.mode,
+        "softmax_layout": "TND",
+    }
+
+
+def _fa(inp: AttentionInputs, q, k, v, group: list[_Seq], sparse: _Sparse, with_lse: bool):
+    res = _ops().npu_fusion_attention(
+        q, k, v, inp.heads_q, "TND", scale=inp.mask.scale, **_fa_args(inp, group, sparse, q.device)
+    )
+    lse = res[1][..., 0] + torch.log(res[2][..., 0]) if with_lse else None
+    return res[0], lse
+
+
+def _training(inp: AttentionInputs) -> bool:
+    # Inside autograd's forward grad mode is off, so look at the tensors themselves.
+    return any(t.requires_grad for t in (inp.q, inp.k, inp.v))
+
+
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q, v = inp.q, inp.v
+    seqs, sparse = _visible_part(inp), _Sparse.of(inp.mask)
+    use_fia = not _training(inp) and _fia_fits(inp, seqs, sparse)
+    run, limits = (_fia, (FIA_MAX_BATCH, FIA_MAX_TOKENS)) if use_fia else (_fa, (FA_MAX_BATCH, FA_MAX_TOKENS))
+    groups = list(_calls(seqs, *limits))
+    if len(groups) == 1 and _runs([(s.qs, s.qe) for s in seqs]) == [(0, q.shape[0])]:
+        # Every query row is computed in one call: the kernel's results are the answer.
+        kc, vc = _gather(inp.k, [(s.ks, s.ke) for s in seqs]), _gather(v, [(s.ks, s.ke) for s in seqs])
+        o, group_lse = run(inp, q.contiguous(), kc, vc, seqs, sparse, inp.return_lse)
+        return o, (None if group_lse is None else group_lse.transpose(0, 1).float().contiguous())
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    lse = None
+    if inp.return_lse:
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for group in groups:
+        rows, keys = [(s.qs, s.qe) for s in group], [(s.ks, s.ke) for s in group]
+        o, group_lse = run(inp, _gather(q, rows), _gather(inp.k, keys), _gather(v, keys), group, sparse, inp.return_lse)
+        _scatter(out, o, rows)
+        if lse is not None and group_lse is not None:
+            _scatter(lse, group_lse.transpose(0, 1).float(), rows, dim=1)
+    return out, lse
+
+
+def backward(
+    inp: AttentionInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients through ``npu_fusion_attention_grad``; with an LSE gradient, the reference backward."""
+    if dlse is not None:
+        return reference.backward(inp, out, lse, dout, dlse)
+    q, k, v = inp.q, inp.k, inp.v
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    sparse = _Sparse.of(inp.mask)
+    for group in _calls(_visible_part(inp), FA_MAX_BATCH, FA_MAX_TOKENS):
+        rows, keys = [(s.qs, s.qe) for s in group], [(s.ks, s.ke) for s in group]
+        row_lse = _gather(lse.transpose(0, 1), rows)  # (T, N)
+        grads = _ops().npu_fusion_attention_grad(
+            _gather(q, rows),
+            _gather(k, keys),
+            _gather(v, keys),
+            _gather(dout, rows),
+            inp.heads_q,
+            "TND",
+            softmax_max=row_lse[..., None].expand(*row_lse.shape, 8).contiguous(),
+            softmax_sum=torch.ones(*row_lse.shape, 8, dtype=torch.float32, device=q.device),
+            attention_in=_gather(out, rows),
+            scale_value=inp.mask.scale,
+            **_fa_args(inp, group, sparse, q.device),
+        )
+        _scatter(dq, grads[0], rows)
+        _scatter(dk, grads[1], keys)
+        _scatter(dv, grads[2], keys)
+    return dq, dk, dv
