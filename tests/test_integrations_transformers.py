@@ -202,3 +202,14 @@ def test_importing_packattn_imports_neither_library() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_offsets_are_read_once_per_forward_not_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    find = integration._offsets_from_positions
+    monkeypatch.setattr(integration, "_offsets_from_positions", lambda *a: calls.append(1) or find(*a))
+    _, packed = pair(DECODERS["llama_gqa"])
+    batch = collate(sequences())
+    outputs(packed, input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    outputs(packed, input_ids=batch["input_ids"], position_ids=batch["position_ids"].clone())
+    assert len(calls) == 2  # two forwards of two layers each

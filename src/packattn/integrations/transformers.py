@@ -25,12 +25,11 @@ Attention dropout and attention sinks (``s_aux``) are not supported and raise ``
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
-from ..api import varlen_attention
+from ._packing import Offsets, Rows, attend_offsets, attend_padded, attend_rows, marked_rows, memo
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register"]
 
@@ -105,59 +104,25 @@ def attention_forward(
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
-        return _packed(q, k, v, (cu_q, _memo(cu_q, 0, _host)), (cu_k, _memo(cu_k, 0, _host)), options), None
+        _check_packed(batch)
+        out = attend_offsets(q[0], k[0], v[0], memo(_host, cu_q), memo(_host, cu_k), **options)
+        return out.unsqueeze(0), None
     if attention_mask is not None:
-        return _padded(q, k, v, _padding_mask(attention_mask, batch, lk), options), None
+        mask = _padding_mask(attention_mask, batch, lk)
+        # Queries: the last lq positions of each row (decoding with a cache), every query when lq == 1.
+        rows_q = None if lq == 1 else memo(_query_rows, mask, lq)
+        return attend_padded(q, k, v, rows_q, memo(marked_rows, mask), **options), None
     position_ids = kwargs.get("position_ids")
     if batch == 1 and lq == lk > 1 and isinstance(position_ids, torch.Tensor):
-        cu = _memo(position_ids, lq, _offsets_from_positions)
+        cu = memo(_offsets_from_positions, position_ids, lq)
         if cu is not None:
-            return _packed(q, k, v, cu, cu, options), None
-    # Every row is one sequence: offsets from the shapes only (no device sync, compiles without breaks).
-    out = varlen_attention(
-        q.reshape(batch * lq, *q.shape[2:]),
-        k.reshape(batch * lk, *k.shape[2:]),
-        v.reshape(batch * lk, *v.shape[2:]),
-        _arange_offsets(batch, lq, query.device),
-        _arange_offsets(batch, lk, query.device),
-        cu_seqlens_q_host=[lq * b for b in range(batch + 1)],
-        cu_seqlens_k_host=[lk * b for b in range(batch + 1)],
-        **options,
-    )
-    return out.view(batch, lq, *out.shape[1:]), None
+            return attend_offsets(q[0], k[0], v[0], cu, cu, **options).unsqueeze(0), None
+    return attend_rows(q, k, v, **options), None  # offsets from the shapes only: no device sync
 
 
-Offsets = tuple[torch.Tensor, list[int]]  # device offsets and the same as Python ints
-
-
-def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Offsets, cu_k: Offsets, options: Any) -> Any:
-    if q.shape[0] != 1:
-        raise ValueError(
-            f"{_WHERE}: a packed batch (cu_seq_lens_q/k or restarting position_ids) must have batch size 1, "
-            f"got {q.shape[0]}"
-        )
-    out = varlen_attention(
-        q[0], k[0], v[0], cu_q[0], cu_k[0], cu_seqlens_q_host=cu_q[1], cu_seqlens_k_host=cu_k[1], **options
-    )
-    return out.unsqueeze(0)
-
-
-def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, options: Any) -> torch.Tensor:
-    """Unpads the rows of ``mask`` into a packed batch, attends, and scatters back (padding rows are 0)."""
-    batch, lq, lk = q.shape[0], q.shape[1], k.shape[1]
-    (idx_q, cu_q), (idx_k, cu_k) = _memo(mask, lq, _unpad)
-    out = varlen_attention(
-        q.reshape(batch * lq, *q.shape[2:]).index_select(0, idx_q),
-        k.reshape(batch * lk, *k.shape[2:]).index_select(0, idx_k),
-        v.reshape(batch * lk, *v.shape[2:]).index_select(0, idx_k),
-        cu_q[0],
-        cu_k[0],
-        cu_seqlens_q_host=cu_q[1],
-        cu_seqlens_k_host=cu_k[1],
-        **options,
-    )
-    full = out.new_zeros(batch * lq, *out.shape[1:]).index_copy(0, idx_q, out)
-    return full.view(batch, lq, *out.shape[1:])
+def _check_packed(batch: int) -> None:
+    if batch != 1:
+        raise ValueError(f"{_WHERE}: a batch packed with cu_seq_lens_q/k must have batch size 1, got {batch}")
 
 
 def _padding_mask(mask: object, batch: int, lk: int) -> torch.Tensor:
@@ -174,29 +139,12 @@ def _padding_mask(mask: object, batch: int, lk: int) -> torch.Tensor:
     return mask.bool()
 
 
-def _arange_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    if length == 0:
-        return torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    return torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=device)
+def _host(cu: torch.Tensor) -> Offsets:
+    return Offsets(cu, [int(x) for x in cu.tolist()])
 
 
-def _host(cu: torch.Tensor, _: object) -> list[int]:
-    return [int(x) for x in cu.tolist()]
-
-
-def _offsets(lengths: torch.Tensor) -> Offsets:
-    host = [0]
-    for n in lengths.tolist():
-        host.append(host[-1] + int(n))
-    return torch.tensor(host, dtype=torch.int32, device=lengths.device), host
-
-
-def _unpad(mask: torch.Tensor, lq: int) -> tuple[tuple[torch.Tensor, Offsets], tuple[torch.Tensor, Offsets]]:
-    """Row indices and offsets of the real tokens; the queries are the last ``lq`` positions of each row
-    (all of them for a single query, as in decoding)."""
-    mask_q = mask[:, -lq:] if lq > 1 else torch.ones(mask.shape[0], lq, dtype=torch.bool, device=mask.device)
-    rows_q, rows_k = mask_q.reshape(-1).nonzero().reshape(-1), mask.reshape(-1).nonzero().reshape(-1)
-    return (rows_q, _offsets(mask_q.sum(1))), (rows_k, _offsets(mask.sum(1)))
+def _query_rows(mask: torch.Tensor, lq: int) -> Rows:
+    return marked_rows(mask if lq == mask.shape[1] else mask[:, -lq:])
 
 
 def _offsets_from_positions(position_ids: torch.Tensor, length: int) -> Offsets | None:
@@ -209,21 +157,4 @@ def _offsets_from_positions(position_ids: torch.Tensor, length: int) -> Offsets 
     if starts.numel() == 0:
         return None
     host = [0, *(int(s) for s in starts.tolist()), length]
-    return torch.tensor(host, dtype=torch.int32, device=pos.device), host
-
-
-_MEMO: list[tuple[Any, int, object, Any]] = []
-
-
-def _memo(t: torch.Tensor, extra: object, fn: Any) -> Any:
-    """``fn(t, extra)``, reused while ``t`` is the same unmodified tensor: every layer of a forward gets the
-    same mask / positions / offsets object, so the device is read once per forward, not once per layer."""
-    if torch.compiler.is_compiling():
-        return fn(t, extra)
-    for ref, version, ex, value in _MEMO:
-        if ref() is t and version == t._version and ex == extra:
-            return value
-    value = fn(t, extra)
-    _MEMO.insert(0, (weakref.ref(t), t._version, extra, value))
-    del _MEMO[8:]
-    return value
+    return Offsets(torch.tensor(host, dtype=torch.int32, device=pos.device), host)
