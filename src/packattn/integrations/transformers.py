@@ -25,6 +25,7 @@ Attention dropout and attention sinks (``s_aux``) are not supported and raise ``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,14 +38,16 @@ NAME = "packattn"
 _WHERE = "packattn transformers attention"
 
 
-def register(name: str = NAME) -> None:
+def register(name: str = NAME, *, backend: str | None = None) -> None:
     """Register packattn with transformers under ``name`` (attention function and its 2-D mask builder).
 
-    Registration is global and idempotent; choose it per model with ``attn_implementation=name``.
+    Registration is global; registering a name again replaces it. Choose it per model with
+    ``attn_implementation=name``. ``backend`` runs exactly that packattn backend (None: dispatch chooses).
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    AttentionInterface.register(name, attention_forward)
+    forward = attention_forward if backend is None else functools.partial(attention_forward, backend=backend)
+    AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, mask_forward)
 
 
@@ -79,6 +82,8 @@ def attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     is_causal: bool | None = None,
+    *,
+    backend: str | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention of one HF layer: ``query (B, Hq, Lq, D)``, ``key (B, Hkv, Lk, D)``, ``value (B, Hkv, Lk, Dv)``
@@ -99,6 +104,7 @@ def attention_forward(
         "causal": causal,
         "window_size": (left, right),
         "softcap": float(softcap or 0.0),
+        "backend": backend,
     }
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views
