@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, BertConfig, BertModel, DataCollatorWithFlattening
+from transformers import AutoModelForCausalLM, BertConfig, BertModel, DataCollatorWithFlattening, ModernBertModel
 
 from packattn.integrations import transformers as integration
 
@@ -37,6 +37,22 @@ DECODERS = {
 }
 ENCODER = BertConfig(
     **DIMS, num_attention_heads=4, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, max_position_embeddings=32
+)
+
+# Bidirectional sliding window: eager keeps |i - j| <= 2, the layers pass sliding_window=3 (flash's convention).
+WINDOWED_ENCODER = transformers.ModernBertConfig(
+    **DIMS,
+    num_attention_heads=4,
+    local_attention=4,
+    global_attn_every_n_layers=2,
+    attention_dropout=0.0,
+    embedding_dropout=0.0,
+    mlp_dropout=0.0,
+    pad_token_id=0,
+    sep_token_id=2,
+    cls_token_id=1,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -168,6 +184,18 @@ def test_encoder_packed_padded_and_gradients_match_each_sequence_alone() -> None
     (torch.cat(got_padded) * weights).sum().backward()
     (torch.cat(want) * weights).sum().backward()
     assert_same_gradients(packed, eager)
+
+
+def test_bidirectional_sliding_window_matches_each_sequence_alone() -> None:
+    eager, packed = pair(WINDOWED_ENCODER, ModernBertModel)
+    assert eager.config.layer_types == ["full_attention", "sliding_attention"]
+    seqs = sequences()
+    want = alone(eager, seqs)
+    ids, mask = padded(seqs, "right")
+    got = unpad(outputs(packed, input_ids=ids, attention_mask=mask), mask)
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), **TOL)
+    plain = sequences()[2][None]  # 9 tokens, wider than the window
+    torch.testing.assert_close(outputs(packed, input_ids=plain), outputs(eager, input_ids=plain), **TOL)
 
 
 def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:

@@ -6,21 +6,25 @@ After :func:`register`, ``AutoModel*.from_config(cfg, attn_implementation="packa
 tensors into a packed batch, chosen in this order:
 
 1. ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=
-   True)``): batch 1, the sequences are read from the offsets.
-2. A 2-D padding mask ``(batch, kv_len)`` (1 = token): the valid tokens of each row form one sequence; the
+   True)``): batch 1, one sequence per offset pair.
+2. A 2-D padding mask ``(batch, kv_len)`` (1 = token): the real tokens of each row form one sequence; the
    output rows of padding are 0. With ``q_len < kv_len`` (decoding with a cache) the queries are the last
    ``q_len`` positions of each row, as in flash-attention's varlen path.
 3. Batch 1 with ``position_ids`` restarting (``DataCollatorWithFlattening``): a new sequence starts wherever a
-   position is not the previous one + 1 (transformers' own rule for packed masks). Reading the positions
-   costs one device sync per forward (the offsets are reused by every layer while the tensor is unchanged).
-4. Otherwise every row is one sequence and the offsets come from the shapes alone: no device sync.
+   position is not the previous one + 1 (transformers' own rule for packed masks).
+4. Otherwise every row is one sequence and the offsets come from the shapes alone: no device sync, and the
+   model compiles with ``torch.compile(fullgraph=True)`` as far as the chosen packattn backend does.
+
+Cases 1-3 read offsets from the device once per forward (every layer reuses them while the tensor object
+is unchanged), so they are not free of syncs or graph breaks.
 
 Masking follows the module: ``is_causal`` (keyword or ``module.is_causal``) is bottom-right causal, so
-decoding with a cache sees the whole prefix; ``sliding_window=W`` keeps the ``W`` most recent keys,
-the token itself included (window ``(W - 1, 0)``), and ``|i - j| <= W`` for bidirectional layers, as
-transformers' eager masks do; ``softcap`` and ``scaling`` are passed on. GQA runs without repeating K/V.
-Attention dropout and attention sinks (``s_aux``) are not supported and raise ``ValueError``; a 4-D mask
-(a custom mask or one built for another implementation) raises ``TypeError``.
+decoding with a cache sees the whole prefix. The ``sliding_window=W`` a layer passes counts the token
+itself: window ``(W - 1, 0)`` for causal layers (the ``W`` most recent keys), ``(W - 1, W - 1)`` for
+bidirectional ones (ModernBERT passes its half-window + 1), as transformers' eager masks compute.
+``softcap`` and ``scaling`` are passed on; GQA runs without repeating K/V. Attention dropout and attention
+sinks (``s_aux``) are not supported and raise ``ValueError``; a 4-D mask (a custom mask, or one built for
+another implementation) raises ``TypeError``.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def attention_forward(
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     left = right = -1
     if sliding_window is not None and sliding_window > 0:  # HF's window counts the token itself
-        left, right = (sliding_window - 1, -1) if causal else (sliding_window, sliding_window)
+        left, right = (sliding_window - 1, -1 if causal else sliding_window - 1)
     options: dict[str, Any] = {
         "softmax_scale": scaling,
         "causal": causal,
