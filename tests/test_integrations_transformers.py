@@ -258,3 +258,17 @@ def test_plain_batch_compiles_without_graph_breaks() -> None:
     compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits, fullgraph=True, backend="eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), eager(input_ids=ids, use_cache=False).logits, **TOL)
+
+
+@pytest.mark.parametrize("padding", ["left_padded", "unpadded"])
+def test_generation_with_a_cache_matches_eager(padding: str) -> None:
+    """Decoding: one query per row against the cached keys (bottom-right causal), padded or not."""
+    eager, packed = pair(DECODERS["gemma2_window_softcap"])
+    seqs = sequences()
+    if padding == "unpadded":
+        seqs = [s[:4] for s in seqs if len(s) >= 4]
+    ids, mask = padded(seqs, "left")
+    options = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    runs = [m.generate(input_ids=ids, attention_mask=mask, pad_token_id=7, **options) for m in (eager, packed)]
+    torch.testing.assert_close(torch.stack(runs[1].logits), torch.stack(runs[0].logits), **TOL)
+    assert torch.equal(runs[1].sequences, runs[0].sequences)
