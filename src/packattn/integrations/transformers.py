@@ -1,0 +1,170 @@
+"""packattn as a Hugging Face transformers attention implementation.
+
+After :func:`register`, ``AutoModel*.from_config(cfg, attn_implementation="packattn")`` (or
+``from_pretrained(..., attn_implementation="packattn")``) runs every attention layer through
+:func:`packattn.varlen_attention`, on any device. Each call turns HF's ``(batch, heads, seq, head_dim)``
+tensors into a packed batch, chosen in this order:
+
+1. ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=
+   True)``): batch 1, one sequence per offset pair.
+2. A 2-D padding mask ``(batch, kv_len)`` (1 = token): the real tokens of each row form one sequence; the
+   output rows of padding are 0. With ``q_len < kv_len`` (decoding with a cache) the queries are the last
+   ``q_len`` positions of each row, as in flash-attention's varlen path.
+3. Batch 1 with ``position_ids`` restarting (``DataCollatorWithFlattening``): a new sequence starts wherever a
+   position is not the previous one + 1 (transformers' own rule for packed masks).
+4. Otherwise every row is one sequence and the offsets come from the shapes alone: no device sync, and the
+   model compiles with ``torch.compile(fullgraph=True)`` as far as the chosen packattn backend does.
+
+Cases 1-3 read offsets from the device once per forward (every layer reuses them while the tensor object
+is unchanged), so they are not free of syncs or graph breaks.
+
+Masking follows the module: ``is_causal`` (keyword or ``module.is_causal``) is bottom-right causal, so
+decoding with a cache sees the whole prefix. The ``sliding_window=W`` a layer passes counts the token
+itself: window ``(W - 1, 0)`` for causal layers (the ``W`` most recent keys), ``(W - 1, W - 1)`` for
+bidirectional ones (ModernBERT passes its half-window + 1), as transformers' eager masks compute.
+``softcap`` and ``scaling`` are passed on; GQA runs without repeating K/V. Attention dropout and attention
+sinks (``s_aux``) are not supported and raise ``ValueError``; a 4-D mask (a custom mask, or one built for
+another implementation) raises ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ._packing import Offsets, Rows, attend_offsets, attend_padded, attend_rows, marked_rows, memo
+
+__all__ = ["NAME", "attention_forward", "mask_forward", "register"]
+
+NAME = "packattn"
+_WHERE = "packattn transformers attention"
+
+
+def register(name: str = NAME, *, backend: str | None = None) -> None:
+    """Register packattn with transformers under ``name`` (attention function and its 2-D mask builder).
+
+    Registration is global; registering a name again replaces it. Choose it per model with
+    ``attn_implementation=name``. ``backend`` runs exactly that packattn backend (None: dispatch chooses).
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    forward = attention_forward if backend is None else functools.partial(attention_forward, backend=backend)
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, mask_forward)
+
+
+def mask_forward(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask transformers hands to :func:`attention_forward`: the 2-D padding mask ``(batch, kv_len)``
+    as booleans, or None when nothing is padded. Causality, windows and packing are applied by packattn."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].bool()
+    if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        return None  # every token is real: the shape-only path, with no sync in the layers
+    return attention_mask
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    backend: str | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one HF layer: ``query (B, Hq, Lq, D)``, ``key (B, Hkv, Lk, D)``, ``value (B, Hkv, Lk, Dv)``
+    -> ``(out (B, Lq, Hq, Dv), None)``. See the module docstring for how the packed batch is formed."""
+    if dropout:
+        raise ValueError(
+            f"{_WHERE}: attention dropout is not supported, got dropout={dropout} (module {type(module).__name__} "
+            "in training mode); set the config's attention dropout to 0.0"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{_WHERE}: attention sinks (s_aux) are not supported; use another attn_implementation")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    left = right = -1
+    if sliding_window is not None and sliding_window > 0:  # HF's window counts the token itself
+        left, right = (sliding_window - 1, -1 if causal else sliding_window - 1)
+    options: dict[str, Any] = {
+        "softmax_scale": scaling,
+        "causal": causal,
+        "window_size": (left, right),
+        "softcap": float(softcap or 0.0),
+        "backend": backend,
+    }
+    batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        _check_packed(batch)
+        out = attend_offsets(q[0], k[0], v[0], memo(_host, cu_q), memo(_host, cu_k), **options)
+        return out.unsqueeze(0), None
+    if attention_mask is not None:
+        mask = _padding_mask(attention_mask, batch, lk)
+        # Queries: the last lq positions of each row (decoding with a cache), every query when lq == 1.
+        rows_q = None if lq == 1 else memo(_query_rows, mask, lq)
+        return attend_padded(q, k, v, rows_q, memo(marked_rows, mask), **options), None
+    position_ids = kwargs.get("position_ids")
+    if batch == 1 and lq == lk > 1 and isinstance(position_ids, torch.Tensor):
+        cu = memo(_offsets_from_positions, position_ids, lq)
+        if cu is not None:
+            return attend_offsets(q[0], k[0], v[0], cu, cu, **options).unsqueeze(0), None
+    return attend_rows(q, k, v, **options), None  # offsets from the shapes only: no device sync
+
+
+def _check_packed(batch: int) -> None:
+    if batch != 1:
+        raise ValueError(f"{_WHERE}: a batch packed with cu_seq_lens_q/k must have batch size 1, got {batch}")
+
+
+def _padding_mask(mask: object, batch: int, lk: int) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(
+            f"{_WHERE}: attention_mask must be a 2-D padding mask (batch, kv_len) as built by packattn's mask "
+            f"function, got {shape}; pass a 2-D mask of 1s (tokens) and 0s (padding), not a custom 4-D mask"
+        )
+    if tuple(mask.shape) != (batch, lk):
+        raise ValueError(
+            f"{_WHERE}: attention_mask must have shape {(batch, lk)} (batch, kv_len), got {tuple(mask.shape)}"
+        )
+    return mask.bool()
+
+
+def _host(cu: torch.Tensor) -> Offsets:
+    return Offsets(cu, [int(x) for x in cu.tolist()])
+
+
+def _query_rows(mask: torch.Tensor, lq: int) -> Rows:
+    return marked_rows(mask if lq == mask.shape[1] else mask[:, -lq:])
+
+
+def _offsets_from_positions(position_ids: torch.Tensor, length: int) -> Offsets | None:
+    """Sequence offsets of a packed row: a sequence starts where a position is not the previous one + 1.
+    None when the row holds one sequence (or the positions do not describe the row)."""
+    if position_ids.numel() != length:
+        return None
+    pos = position_ids.reshape(-1)
+    starts = (pos[1:] != pos[:-1] + 1).nonzero().reshape(-1) + 1
+    if starts.numel() == 0:
+        return None
+    host = [0, *(int(s) for s in starts.tolist()), length]
+    return Offsets(torch.tensor(host, dtype=torch.int32, device=pos.device), host)

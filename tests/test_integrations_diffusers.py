@@ -1,0 +1,161 @@
+"""PackedJointAttnProcessor in a tiny random Flux transformer against the default processor on each sample alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+from packattn.integrations.diffusers import PackedJointAttnProcessor
+
+TOL = {"atol": 2e-5, "rtol": 1e-4}  # float32; the observed differences are ~2e-7
+PROMPT_LENGTHS = [3, 7, 1]
+HEIGHT, WIDTH, CHANNELS, TEXT_DIM, POOLED_DIM = 2, 3, 4, 24, 8
+
+
+def flux() -> FluxTransformer2DModel:
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=CHANNELS,
+        num_layers=1,  # one dual-stream (text + image) block
+        num_single_layers=1,  # one single-stream block (text and image already concatenated)
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        pooled_projection_dim=POOLED_DIM,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+@dataclass
+class Batch:
+    """Padded prompts (text padded on the right to the longest), image latents and the joint key mask."""
+
+    image: torch.Tensor
+    text: torch.Tensor
+    pooled: torch.Tensor
+    timestep: torch.Tensor
+    joint_mask: torch.Tensor  # (B, text + image) bool
+
+    @staticmethod
+    def make(lengths: list[int], *, pad_value: float | None = None) -> Batch:
+        gen = torch.Generator().manual_seed(1)
+        batch, width = len(lengths), max(lengths)
+        text = torch.randn(batch, width, TEXT_DIM, generator=gen)
+        text_mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+        if pad_value is not None:
+            text[~text_mask] = pad_value
+        image = torch.randn(batch, HEIGHT * WIDTH, CHANNELS, generator=gen)
+        joint = torch.cat([text_mask, torch.ones(batch, HEIGHT * WIDTH, dtype=torch.bool)], dim=1)
+        return Batch(
+            image, text, torch.randn(batch, POOLED_DIM, generator=gen), torch.rand(batch, generator=gen), joint
+        )
+
+
+def image_ids() -> torch.Tensor:
+    ids = torch.zeros(HEIGHT * WIDTH, 3)
+    ids[:, 1] = torch.arange(HEIGHT).repeat_interleave(WIDTH)
+    ids[:, 2] = torch.arange(WIDTH).repeat(HEIGHT)
+    return ids
+
+
+def run(model: FluxTransformer2DModel, data: Batch, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+    kwargs = None if mask is None else {"attention_mask": mask}
+    return model(
+        hidden_states=data.image,
+        encoder_hidden_states=data.text,
+        pooled_projections=data.pooled,
+        timestep=data.timestep,
+        img_ids=image_ids(),
+        txt_ids=torch.zeros(data.text.shape[1], 3),
+        joint_attention_kwargs=kwargs,
+    ).sample
+
+
+def alone(model: FluxTransformer2DModel, data: Batch, lengths: list[int]) -> torch.Tensor:
+    """Each sample run by itself with its unpadded prompt."""
+    outs = []
+    for b, n in enumerate(lengths):
+        one = Batch(
+            data.image[b : b + 1],
+            data.text[b : b + 1, :n],
+            data.pooled[b : b + 1],
+            data.timestep[b : b + 1],
+            data.joint_mask[b : b + 1],
+        )
+        outs.append(run(model, one))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("mask_shape", ["2d", "4d"])
+def test_padded_prompts_match_each_sample_alone_and_the_masked_default(mask_shape: str) -> None:
+    model, data = flux(), Batch.make(PROMPT_LENGTHS)
+    mask = data.joint_mask if mask_shape == "2d" else data.joint_mask[:, None, None]
+    with torch.no_grad():
+        want = alone(model, data, PROMPT_LENGTHS)
+        masked_default = run(model, data, mask=data.joint_mask[:, None, None])
+        unmasked_default = run(model, data)
+        model.set_attn_processor(PackedJointAttnProcessor())
+        assert all(isinstance(p, PackedJointAttnProcessor) for p in model.attn_processors.values())
+        got = run(model, data, mask=mask)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got, masked_default, **TOL)
+    assert not torch.allclose(unmasked_default, want, **TOL)  # attending the padding changes the result
+
+
+def test_padding_is_never_read() -> None:
+    """NaN in the padded prompt positions stays out of every real token."""
+    model, data = flux(), Batch.make(PROMPT_LENGTHS, pad_value=float("nan"))
+    with torch.no_grad():
+        want = alone(model, data, PROMPT_LENGTHS)
+        model.set_attn_processor(PackedJointAttnProcessor())
+        got = run(model, data, mask=data.joint_mask)
+    assert want.isfinite().all()
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_unmasked_batch_and_fused_projections_match_the_default() -> None:
+    model, data = flux(), Batch.make([5, 5])
+    with torch.no_grad():
+        want = run(model, data)
+        model.set_attn_processor(PackedJointAttnProcessor(backend="reference"))
+        torch.testing.assert_close(run(model, data), want, **TOL)
+        model.fuse_qkv_projections()
+        for name, param in model.named_parameters():  # the fused weights must be the ones read
+            if name.endswith(("to_q.weight", "add_q_proj.weight")):
+                param.zero_()
+        assert all(
+            m.fused_projections for m in (model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn)
+        )
+        torch.testing.assert_close(run(model, data), want, **TOL)
+
+
+def test_gradients_match_each_sample_alone() -> None:
+    reference, packed, data = flux(), flux(), Batch.make(PROMPT_LENGTHS)
+    packed.set_attn_processor(PackedJointAttnProcessor())
+    weights = torch.randn(len(PROMPT_LENGTHS), HEIGHT * WIDTH, CHANNELS, generator=torch.Generator().manual_seed(2))
+    (run(packed, data, mask=data.joint_mask) * weights).sum().backward()
+    (alone(reference, data, PROMPT_LENGTHS) * weights).sum().backward()
+    ref = dict(reference.named_parameters())
+    checked = 0
+    for name, p in packed.named_parameters():
+        if ref[name].grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            checked += 1
+    assert checked > 20
+
+
+def test_refuses_masks_that_are_not_boolean_key_padding_masks() -> None:
+    model, data = flux(), Batch.make(PROMPT_LENGTHS)
+    model.set_attn_processor(PackedJointAttnProcessor())
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="boolean key-padding mask"):
+            run(model, data, mask=data.joint_mask.float())
+        with pytest.raises(ValueError, match="joint sequence"):
+            run(model, data, mask=data.joint_mask[:, : max(PROMPT_LENGTHS)])
+        square = data.joint_mask[:, None, :, None] & data.joint_mask[:, None, None, :]
+        with pytest.raises(ValueError, match="joint sequence"):
+            run(model, data, mask=square)
