@@ -6,12 +6,12 @@ dispatch tries them for tensors of each device type (the first that supports the
 outside a device's list runs there only when asked for by name (``backend="..."``).
 """
 
-from . import cpu, reference, sdpa
+from . import cpu, reference, sdpa, triton
 
-ALL = (cpu, sdpa, reference)
+ALL = (cpu, triton, sdpa, reference)
 
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu", "sdpa", "reference"),
-    "cuda": ("sdpa", "reference"),
+    "cuda": ("triton", "sdpa", "reference"),
 }
 OTHER_DEVICES = ("sdpa", "reference")  # mps, xpu, ...: what runs on every device
