@@ -28,7 +28,7 @@ NATIVE_AUTOGRAD = False
 MAX_HEAD_DIM = 256
 MAX_TOKENS = 2**31 - 1  # offsets travel as int32
 # (query block, key block) under the interpreter, where each tile operation costs Python overhead.
-INTERPRETER_BLOCKS = (32, 32)
+INTERPRETER_BLOCKS = (128, 64)
 
 
 def _interpreting() -> bool:

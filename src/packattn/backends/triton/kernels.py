@@ -3,13 +3,14 @@
 Every kernel reads one row of an int32 work table, ``(q_start, Lq, k_start, Lk, block_start)``: which
 sequence the program serves and where its block starts inside it, so one launch covers the whole packed
 batch. The table starts with ``scale`` and ``softcap`` as two float64 (4 int32 words), so fp64 inputs get
-them unrounded and a call uploads one small tensor. Row indices are widened to int64 before they meet a stride, and every stride is an argument.
+them unrounded and a call uploads one small tensor. Row indices are widened to int64 before they meet a
+stride, and every stride is an argument.
 
 * Scores of a tile are ``scale * q.k`` (soft-capped through ``tanh``, built from ``exp`` so that the
   interpreter runs it too). The element mask (window bounds, sequence ends) is applied only to tiles that
   are not entirely visible; loops run only over the blocks the window can make visible.
-* The forward keeps a running max ``m``, sum ``l`` and accumulator in ``ACC`` (fp32, fp64 for fp64) and
-  stores ``out = acc / l`` and ``lse = m + log(l)``; rows that saw nothing store 0 and -inf.
+* The forward keeps a running max ``m``, sum ``denom`` and accumulator in ``ACC`` (fp32, fp64 for fp64)
+  and stores ``out = acc / denom`` and ``lse = m + log(denom)``; rows that saw nothing store 0 and -inf.
 * The backward recomputes ``p = exp(s - lse)``. dK/dV: one program per (key block, KV head) loops over the
   ``G`` query heads of its group and the query blocks that can see its keys; dQ: one program per
   (query block, query head). Each output element is written by one program: no atomics, deterministic.
@@ -70,27 +71,24 @@ def _query_range(j0, j1, off, lq, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT
 
 
 @triton.jit
-def _needs_mask(i0, i1, j0, j1, off, lq, lk, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Whether the tile of rows ``[i0, i1)`` and keys ``[j0, j1)`` has a hidden or out-of-range pair."""
-    need = (i1 > lq) | (j1 > lk)
-    if HAS_LEFT:
-        need = need | (j0 < i1 - 1 + off - left)
-    if HAS_RIGHT:
-        need = need | (j1 - 1 > i0 + off + right)
-    return need
-
-
-@triton.jit
 def _scores(
-    qk, i, j, off, lq, lk, scale, softcap, left, right, masked,
+    qk, i0, j0, i, j, off, lq, lk, scale, softcap, left, right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):  # fmt: skip
-    """Scores of a tile and ``tanh`` of the soft-capped ones; ``i``/``j`` broadcast to the tile's shape."""
+    """Scores of the tile of rows ``i0 + [0, BLOCK_M)`` and keys ``j0 + [0, BLOCK_N)`` (``i``/``j`` are those
+    indices shaped to broadcast to the tile), and ``tanh`` of the soft-capped scores."""
     s = qk * scale
     t = s
     if SOFTCAP:
         t = _tanh(s / softcap)
         s = t * softcap
+    # Only tiles with a hidden or out-of-range pair pay for the element mask.
+    masked = (i0 + BLOCK_M > lq) | (j0 + BLOCK_N > lk)
+    if HAS_LEFT:
+        masked = masked | (j0 < i0 + BLOCK_M - 1 + off - left)
+    if HAS_RIGHT:
+        masked = masked | (j0 + BLOCK_N - 1 > i0 + off + right)
     if masked:
         ok = (i < lq) & (j < lk)
         if HAS_LEFT:
@@ -122,7 +120,7 @@ def _store(PTR, x, rows, nrows, s_t, cols, ncols, s_d):
 
 @triton.jit
 def forward_kernel(
-    Q, K, V, O, LSE, TABLE,
+    Q, K, V, OUT, LSE, TABLE,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, so_d, sl_h,
     left, right, G, D, DV,
     SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -142,7 +140,7 @@ def forward_kernel(
     v_ptr = V + ks.to(tl.int64) * sv_t + hk.to(tl.int64) * sv_h
     q = _tile(q_ptr, i, lq, sq_t, d, D, sq_d, False).to(DOT)
     m = tl.full([BLOCK_M], float("-inf"), ACC)
-    l = tl.zeros([BLOCK_M], ACC)
+    denom = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
     i1 = tl.minimum(i0 + BLOCK_M, lq)
     lo, hi = _key_range(i0, i1, off, lk, left, right, HAS_LEFT, HAS_RIGHT)
@@ -150,23 +148,38 @@ def forward_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         kt = _tile(k_ptr, j, lk, sk_t, d, D, sk_d, True).to(DOT)
         qk = tl.dot(q, kt, input_precision=PRECISION, out_dtype=ACC).to(ACC)
-        masked = _needs_mask(i0, i0 + BLOCK_M, j0, j0 + BLOCK_N, off, lq, lk, left, right, HAS_LEFT, HAS_RIGHT)
         s, _t = _scores(
-            qk, i[:, None], j[None, :], off, lq, lk, scale, softcap, left, right, masked, SOFTCAP, HAS_LEFT, HAS_RIGHT
+            qk,
+            i0,
+            j0,
+            i[:, None],
+            j[None, :],
+            off,
+            lq,
+            lk,
+            scale,
+            softcap,
+            left,
+            right,
+            BLOCK_M,
+            BLOCK_N,
+            SOFTCAP,
+            HAS_LEFT,
+            HAS_RIGHT,
         )
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         vb = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, False).to(DOT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vb, input_precision=PRECISION, out_dtype=ACC).to(ACC)
         m = m_new
-    seen = l > 0
-    out = acc / tl.where(seen, l, 1.0)[:, None]
-    o_ptr = O + qs.to(tl.int64) * so_t + h.to(tl.int64) * so_h
+    seen = denom > 0
+    out = acc / tl.where(seen, denom, 1.0)[:, None]
+    o_ptr = OUT + qs.to(tl.int64) * so_t + h.to(tl.int64) * so_h
     _store(o_ptr, out, i, lq, so_t, dv, DV, so_d)
-    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+    lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
     tl.store(LSE + h.to(tl.int64) * sl_h + qs + i, lse, mask=i < lq)
 
 
@@ -204,10 +217,9 @@ def dkdv_kernel(
             i = i0 + tl.arange(0, BLOCK_M)
             qb = _tile(q_ptr, i, lq, sq_t, d, D, sq_d, False).to(DOT)
             qk = tl.dot(kb, tl.trans(qb), input_precision=PRECISION, out_dtype=ACC).to(ACC)
-            masked = _needs_mask(i0, i0 + BLOCK_M, j0, j0 + BLOCK_N, off, lq, lk, left, right, HAS_LEFT, HAS_RIGHT)
             s, t = _scores(
-                qk, i[None, :], j[:, None], off, lq, lk, scale, softcap, left, right, masked,
-                SOFTCAP, HAS_LEFT, HAS_RIGHT,
+                qk, i0, j0, i[None, :], j[:, None], off, lq, lk, scale, softcap, left, right,
+                BLOCK_M, BLOCK_N, SOFTCAP, HAS_LEFT, HAS_RIGHT,
             )  # fmt: skip
             lse = tl.load(LSE + row_ptr + i, mask=i < lq, other=0.0)
             p = tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[None, :])  # (keys, rows)
@@ -261,9 +273,24 @@ def dq_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         kt = _tile(k_ptr, j, lk, sk_t, d, D, sk_d, True).to(DOT)
         qk = tl.dot(qb, kt, input_precision=PRECISION, out_dtype=ACC).to(ACC)
-        masked = _needs_mask(i0, i0 + BLOCK_M, j0, j0 + BLOCK_N, off, lq, lk, left, right, HAS_LEFT, HAS_RIGHT)
         s, t = _scores(
-            qk, i[:, None], j[None, :], off, lq, lk, scale, softcap, left, right, masked, SOFTCAP, HAS_LEFT, HAS_RIGHT
+            qk,
+            i0,
+            j0,
+            i[:, None],
+            j[None, :],
+            off,
+            lq,
+            lk,
+            scale,
+            softcap,
+            left,
+            right,
+            BLOCK_M,
+            BLOCK_N,
+            SOFTCAP,
+            HAS_LEFT,
+            HAS_RIGHT,
         )
         p = tl.exp(s - lse[:, None])
         vt = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, True).to(DOT)
