@@ -38,12 +38,18 @@ def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_across_tiles(dtype, mask):
-    case = make_case(LENS_Q, LENS_K, hq=6, hkv=2, d=24, dv=40, dtype=DTYPES[dtype], seed=21)
+    case = make_case(LENS_Q, LENS_K, hq=3, hkv=1, d=24, dv=40, dtype=DTYPES[dtype], seed=21)
     check_forward("triton", case, **MASKS[mask])
 
 
-@pytest.mark.parametrize("mask", ["full", "causal", "window", "right_band", "softcap"])
-@pytest.mark.parametrize("dtype", ["fp32", "fp64", "bf16"])
+BACKWARD = [
+    *(("fp32", m) for m in ("full", "causal", "window", "right_band", "softcap")),
+    *(("fp64", m) for m in ("full", "window", "softcap")),
+    ("bf16", "causal"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "mask"), [pytest.param(*p, id="-".join(p)) for p in BACKWARD])
 def test_backward_with_lse_gradient_across_tiles(dtype, mask):
     """dq, dk, dv through out and the LSE (MQA: one KV head sums the gradients of all four query heads)."""
     case = make_case(LENS_Q, LENS_K, hq=4, hkv=1, d=40, dv=24, dtype=DTYPES[dtype], seed=22, requires_grad=True)
@@ -52,14 +58,15 @@ def test_backward_with_lse_gradient_across_tiles(dtype, mask):
 
 @pytest.mark.parametrize("strides", STRIDES)
 def test_strides_forward_and_backward(strides):
-    case = make_case([20, 0, 33], [17, 5, 40], hq=4, hkv=2, d=16, dv=8, seed=23, requires_grad=True)
-    check_forward("triton", restride(case, strides), causal=True)
+    shape = {"hq": 4, "hkv": 2, "d": 16, "dv": 8, "seed": 23}
+    check_forward("triton", restride(make_case([20, 0, 33], [17, 5, 40], **shape), strides), causal=True)
     if strides != "kv_broadcast":  # an expanded view is not a view of the leaves check_backward differentiates
+        case = make_case([20, 0, 33], [17, 5, 40], **shape, requires_grad=True)
         check_backward("triton", restride(case, strides), window_size=(9, 2))
 
 
 def test_runs_are_bit_identical():
-    case = make_case(LENS_Q, LENS_K, hq=4, hkv=2, d=32, seed=24, requires_grad=True)
+    case = make_case(LENS_Q, LENS_K, hq=2, hkv=1, d=32, seed=24, requires_grad=True)
     cu_q, cu_k = case.tensors()
     results = []
     for _ in range(2):

@@ -14,6 +14,7 @@ when ``TRITON_INTERPRET=1`` is set (Triton's interpreter, for tests); ``import t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -119,6 +120,11 @@ def _table(inp: AttentionInputs, block: int, *, by_keys: bool) -> torch.Tensor:
     return torch.cat([header, body]).to(inp.q.device)
 
 
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _options(inp: AttentionInputs, cfg: Blocks) -> dict[str, object]:
     """Mask bounds, dims and compile-time switches shared by the three kernels."""
     import triton
@@ -160,10 +166,11 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = blocks("forward", q.dtype, max(inp.head_dim, inp.head_dim_v))
     table = _table(inp, cfg.m, by_keys=False)
     grid = ((table.numel() - 4) // 5, hq)
-    _kernels().forward_kernel[grid](
-        q, k, v, out, lse, table, *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0),
-        **_options(inp, cfg),
-    )  # fmt: skip
+    with _on_device(q.device):
+        _kernels().forward_kernel[grid](
+            q, k, v, out, lse, table, *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0),
+            **_options(inp, cfg),
+        )  # fmt: skip
     return out, lse
 
 
@@ -189,12 +196,13 @@ def backward(
     options = _options(inp, cfg)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), lse.stride(0))
     kernels = _kernels()
-    table = _table(inp, cfg.n, by_keys=True)
-    kernels.dkdv_kernel[((table.numel() - 4) // 5, inp.heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv, table, *common, *dk.stride(), *dv.stride(), **options
-    )
-    table = _table(inp, cfg.m, by_keys=False)
-    kernels.dq_kernel[((table.numel() - 4) // 5, inp.heads_q)](
-        q, k, v, dout, lse, delta, dq, table, *common, *dq.stride(), **options
-    )
+    with _on_device(q.device):
+        table = _table(inp, cfg.n, by_keys=True)
+        kernels.dkdv_kernel[((table.numel() - 4) // 5, inp.heads_kv)](
+            q, k, v, dout, lse, delta, dk, dv, table, *common, *dk.stride(), *dv.stride(), **options
+        )
+        table = _table(inp, cfg.m, by_keys=False)
+        kernels.dq_kernel[((table.numel() - 4) // 5, inp.heads_q)](
+            q, k, v, dout, lse, delta, dq, table, *common, *dq.stride(), **options
+        )
     return dq, dk, dv
