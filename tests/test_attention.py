@@ -232,7 +232,10 @@ def test_gradcheck_float64(backend, mask, dv):
         res = packattn.varlen_attention(q, k, v, cu_q, cu_k, return_lse=with_lse, backend=backend, **MASKS[mask])
         return (res[0], res[1].nan_to_num(0.0, 0.0, 0.0)) if with_lse else res
 
-    assert torch.autograd.gradcheck(f, (case.q, case.k, case.v))
+    # Triton's interpreter costs ~0.1 s a launch: check random projections of the Jacobian (2 launches per
+    # input instead of 2 per element); tests/test_triton.py compares its fp64 gradients with the oracle's.
+    fast = backend == "triton" and case.q.device.type == "cpu"
+    assert torch.autograd.gradcheck(f, (case.q, case.k, case.v), fast_mode=fast)
 
 
 # Memory -----------------------------------------------------------------------------------------------

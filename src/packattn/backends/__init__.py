@@ -6,13 +6,13 @@ dispatch tries them for tensors of each device type (the first that supports the
 outside a device's list runs there only when asked for by name (``backend="..."``).
 """
 
-from . import cpu, flash_attn, npu, reference, sdpa, torch_varlen
+from . import cpu, flash_attn, npu, reference, sdpa, torch_varlen, triton
 
-ALL = (cpu, npu, flash_attn, torch_varlen, sdpa, reference)
+ALL = (cpu, npu, flash_attn, torch_varlen, triton, sdpa, reference)
 
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu", "sdpa", "reference"),
-    "cuda": ("flash_attn", "torch_varlen", "sdpa", "reference"),
+    "cuda": ("flash_attn", "torch_varlen", "triton", "sdpa", "reference"),
     "npu": ("npu", "reference"),
 }
 OTHER_DEVICES = ("sdpa", "reference")  # mps, xpu, ...: what runs on every device

@@ -10,7 +10,9 @@ backward ignores the LSE's gradient.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
+import sys
 
 import torch
 
@@ -35,8 +37,11 @@ def _varlen_func():
 
 
 def unavailable_reason() -> str | None:
-    why = [r for r in (fa2_convention.no_cuda_reason(), _varlen_func()[1]) if r]
-    return "; ".join(why) or None
+    why = fa2_convention.no_cuda_reason()
+    if why is None:
+        return _varlen_func()[1]
+    installed = "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None
+    return why if installed else f"{why}; flash_attn is not installed"
 
 
 def supports(inp: AttentionInputs) -> list[str]:

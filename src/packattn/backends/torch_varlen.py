@@ -37,8 +37,8 @@ def _module():
 
 
 def unavailable_reason() -> str | None:
-    why = [r for r in (fa2_convention.no_cuda_reason(), _module()[1]) if r]
-    return "; ".join(why) or None
+    # Importing torch.nn.attention.varlen loads torch's compiler stack: not on builds that cannot use it.
+    return fa2_convention.no_cuda_reason() or _module()[1]
 
 
 def supports(inp: AttentionInputs) -> list[str]:

@@ -1,0 +1,127 @@
+"""The ``triton`` backend beyond the generic backend tests: sequences across many tiles (16 x 16 tiles under
+the interpreter), every dtype with GQA and ``Dv != D``, gradients through the LSE, determinism, its refusals
+and its tile choices. On CPU the kernels run in Triton's interpreter (tests/conftest.py sets it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import packattn
+from packattn.backends import PRIORITY
+from packattn.backends import triton as tri
+
+from .helpers import DEVICE, STRIDES, case_inputs, check_backward, check_forward, make_case, restride
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (19, 7)},
+    "window_causal": {"window_size": (21, -1), "causal": True},
+    "right_band": {"window_size": (-1, 3)},
+    "softcap": {"softcap": 2.5},
+}
+# Several 16-row tiles per sequence; Lq > Lk and Lq < Lk; empty query side, key side and both.
+LENS_Q = [37, 0, 64, 5, 70, 0, 1]
+LENS_K = [50, 9, 64, 0, 41, 0, 18]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tri, "INTERPRETER_BLOCKS", (16, 16))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_across_tiles(dtype, mask):
+    case = make_case(LENS_Q, LENS_K, hq=3, hkv=1, d=24, dv=40, dtype=DTYPES[dtype], seed=21)
+    check_forward("triton", case, **MASKS[mask])
+
+
+BACKWARD = [
+    *(("fp32", m) for m in ("full", "causal", "window", "right_band", "softcap")),
+    *(("fp64", m) for m in ("full", "window", "softcap")),
+    ("bf16", "causal"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "mask"), [pytest.param(*p, id="-".join(p)) for p in BACKWARD])
+def test_backward_with_lse_gradient_across_tiles(dtype, mask):
+    """dq, dk, dv through out and the LSE (MQA: one KV head sums the gradients of all four query heads)."""
+    case = make_case(LENS_Q, LENS_K, hq=4, hkv=1, d=40, dv=24, dtype=DTYPES[dtype], seed=22, requires_grad=True)
+    check_backward("triton", case, **MASKS[mask])
+
+
+@pytest.mark.parametrize("strides", STRIDES)
+def test_strides_forward_and_backward(strides):
+    shape = {"hq": 4, "hkv": 2, "d": 16, "dv": 8, "seed": 23}
+    check_forward("triton", restride(make_case([20, 0, 33], [17, 5, 40], **shape), strides), causal=True)
+    if strides != "kv_broadcast":  # an expanded view is not a view of the leaves check_backward differentiates
+        case = make_case([20, 0, 33], [17, 5, 40], **shape, requires_grad=True)
+        check_backward("triton", restride(case, strides), window_size=(9, 2))
+
+
+def test_runs_are_bit_identical():
+    case = make_case(LENS_Q, LENS_K, hq=2, hkv=1, d=32, seed=24, requires_grad=True)
+    cu_q, cu_k = case.tensors()
+    results = []
+    for _ in range(2):
+        out, lse = packattn.varlen_attention(
+            case.q, case.k, case.v, cu_q, cu_k, causal=True, return_lse=True, backend="triton"
+        )
+        grads = torch.autograd.grad((out * out).sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum(), (case.q, case.k, case.v))
+        results.append((out, lse, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_rows_without_keys_get_zero_gradients_and_no_nan():
+    """Lq > Lk under causal hides the first rows; the second sequence has no keys at all."""
+    case = make_case([40, 20], [8, 0], hq=2, hkv=1, d=16, seed=25, requires_grad=True)
+    cu_q, cu_k = case.tensors()
+    out, lse = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, causal=True, return_lse=True)
+    hidden = torch.tensor([True] * 32 + [False] * 8 + [True] * 20)
+    assert torch.all(out[hidden] == 0) and torch.all(lse[:, hidden] == float("-inf"))
+    dq, dk, dv = torch.autograd.grad(out.sum(), (case.q, case.k, case.v))
+    assert torch.all(dq[hidden] == 0)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_refusals_name_the_reason(monkeypatch):
+    case = make_case([3, 2], [4, 1], hq=2, hkv=1, d=8)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE.type == "cpu":
+        assert tri.supports(case_inputs(case)) == [
+            "CPU tensors run only under Triton's interpreter (set TRITON_INTERPRET=1)"
+        ]
+    wide = make_case([3], [4], d=264)
+    assert "head_dim=264, head_dim_v=264: at most 256 supported" in tri.supports(case_inputs(wide))
+    meta = case_inputs(case)
+    meta = type(meta)(meta.q.to("meta"), meta.k.to("meta"), meta.v.to("meta"), meta.layout, meta.mask)
+    assert tri.supports(meta) == ["runs on CUDA tensors only, got meta"]
+
+
+def test_dispatch_tries_it_on_cuda_only():
+    assert "triton" not in PRIORITY["cpu"]
+    cuda = PRIORITY["cuda"]
+    assert cuda.index("triton") < cuda.index("sdpa")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_tiles_are_powers_of_two_at_least_16(dtype, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for stage in ("forward", "backward"):
+        for head_dim in (16, 64, 96, 128, 192, 256):
+            cfg = tri.blocks(stage, DTYPES[dtype], head_dim)
+            for size in (cfg.m, cfg.n):
+                assert size >= 16 and size & (size - 1) == 0, (stage, head_dim, cfg)
+
+
+def test_importing_packattn_does_not_import_triton():
+    code = "import sys, packattn; packattn.info(); assert 'triton' not in sys.modules, 'triton imported'"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
