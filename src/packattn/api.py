@@ -125,7 +125,43 @@ def varlen_attention(
         >>> tuple(out.shape), tuple(lse.shape)
         ((12, 4, 32), (4, 12))
     """
-    where = "varlen_attention"
+    return run_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        cu_seqlens_q_host=cu_seqlens_q_host,
+        cu_seqlens_k_host=cu_seqlens_k_host,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        return_lse=return_lse,
+        backend=backend,
+        where="varlen_attention",
+    )
+
+
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    cu_seqlens_q_host: Sequence[int] | None,
+    cu_seqlens_k_host: Sequence[int] | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    return_lse: bool,
+    backend: str | None,
+    where: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`varlen_attention`, with eager error messages that start with ``where`` (the compat layer's names;
+    checks that run inside the op under ``torch.compile`` name ``varlen_attention``)."""
     check_tensors(q, k, v, where)
     mask = check_mask(
         q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
