@@ -242,3 +242,21 @@ def test_inductor_compiles_a_small_function():
     print(f"inductor first call: {time.perf_counter() - start:.1f} s")
     torch.testing.assert_close(got, fn(CASE.q, CASE.k, CASE.v, cu_q, cu_k))
     assert no_graph_breaks()
+
+
+def test_sglang_drop_in_compiles_without_graph_break():
+    from packattn.compat.sglang import fused_infer_attention_varlen
+
+    def fn(q, k, v, cu_q, cu_k):
+        return fused_infer_attention_varlen(q, k, v, cu_q, cu_k, return_softmax_lse=True)
+
+    assert_same_grads(fn, compiled(fn), CASE, *tensors(CASE))
+    assert graphs() == 1 and no_graph_breaks()
+
+
+def test_double_backward_raises():
+    q, k, v = leaves(CASE)
+    out = attn(q, k, v, *tensors(CASE))
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        dq.sum().backward()
