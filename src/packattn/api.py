@@ -1,42 +1,17 @@
-"""Public entry points: validation, dispatch and autograd wiring."""
+"""Public entry points: validation, dispatch, and the call of the custom ops (see :mod:`packattn.ops`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from types import ModuleType
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import torch
 
-from . import dispatch
+from . import dispatch, ops
 from .inputs import AttentionInputs, check_mask, check_tensors
-from .layout import SeqLayout
+from .layout import SeqLayout, check_traced
 
 __all__ = ["varlen_attention"]
-
-
-class _Attention(torch.autograd.Function):
-    """Runs a backend's forward; gradients come from the backend's LSE-recomputing backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: ModuleType, inp: AttentionInputs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = backend.forward(inp)
-        ctx.backend, ctx.layout, ctx.mask = backend, inp.layout, inp.mask
-        ctx.save_for_backward(q, k, v, out, lse)  # saved tensors: autograd catches later in-place edits
-        ctx.set_materialize_grads(False)  # an unused LSE gets no gradient (None), so a backend can skip that term
-        return out, lse
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        inp = AttentionInputs(q, k, v, ctx.layout, ctx.mask, return_lse=True)
-        dq, dk, dv = ctx.backend.backward(inp, out, lse, dout.contiguous(), dlse)
-        return dq, dk, dv, None, None
 
 
 @overload
@@ -150,7 +125,43 @@ def varlen_attention(
         >>> tuple(out.shape), tuple(lse.shape)
         ((12, 4, 32), (4, 12))
     """
-    where = "varlen_attention"
+    return run_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        cu_seqlens_q_host=cu_seqlens_q_host,
+        cu_seqlens_k_host=cu_seqlens_k_host,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        return_lse=return_lse,
+        backend=backend,
+        where="varlen_attention",
+    )
+
+
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    cu_seqlens_q_host: Sequence[int] | None,
+    cu_seqlens_k_host: Sequence[int] | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    return_lse: bool,
+    backend: str | None,
+    where: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`varlen_attention`, with eager error messages that start with ``where`` (the compat layer's names;
+    checks that run inside the op under ``torch.compile`` name ``varlen_attention``)."""
     check_tensors(q, k, v, where)
     mask = check_mask(
         q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
@@ -158,21 +169,39 @@ def varlen_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
     dispatch.check_backend_name(backend, where)
-    layout = SeqLayout.build(
-        cu_seqlens_q,
-        cu_seqlens_k,
-        q.shape[0],
-        k.shape[0],
-        cu_seqlens_q_host=cu_seqlens_q_host,
-        cu_seqlens_k_host=cu_seqlens_k_host,
-        where=where,
-    )
-    inp = AttentionInputs(q, k, v, layout, mask, return_lse)
-    chosen = dispatch.select(inp, backend, where)
-    if chosen.NATIVE_AUTOGRAD:
-        out, lse = chosen.forward(inp)
-    elif inp.requires_grad:
-        out, lse = _Attention.apply(q, k, v, chosen, replace(inp, return_lse=True))  # backward reads the LSE
+    need_lse = return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    if torch.compiler.is_compiling():
+        # Traced: no offset values here (they would become guards); the op checks them and dispatches.
+        host_q, host_k = check_traced(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_host, cu_seqlens_k_host, where)
+        name = backend
     else:
-        out, lse = chosen.forward(inp)
+        layout = SeqLayout.build(
+            cu_seqlens_q,
+            cu_seqlens_k,
+            q.shape[0],
+            k.shape[0],
+            cu_seqlens_q_host=cu_seqlens_q_host,
+            cu_seqlens_k_host=cu_seqlens_k_host,
+            where=where,
+        )
+        inp = AttentionInputs(q, k, v, layout, mask, return_lse)
+        chosen = dispatch.select(inp, backend, where)
+        if chosen.NATIVE_AUTOGRAD or not inp.requires_grad:
+            # Its own PyTorch autograd, or no autograd at all: no op in between (its dispatch costs 0.05-0.2 ms).
+            # The op carries gradients here and runs every call under torch.compile.
+            out, lse = chosen.forward(inp)
+            return (out, lse) if return_lse else out
+        host_q, host_k, name = list(layout.host_q), list(layout.host_k), chosen.NAME
+        # Offsets on the meta device hold no values; the op gets the trusted host copies as tensors.
+        cu_seqlens_q, cu_seqlens_k = (
+            _valued(cu, h, q.device) for cu, h in ((layout.cu_q, host_q), (layout.cu_k, host_k))
+        )
+    out, lse = ops.varlen_attention_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, host_q, host_k, mask.scale, mask.left, mask.right, mask.softcap,
+        return_lse, need_lse, name,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _valued(cu: torch.Tensor, host: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(host, dtype=cu.dtype, device=device) if cu.device.type == "meta" else cu

@@ -156,7 +156,9 @@ def check_mask(
         right = 0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"{where}: softcap must be a float, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
+    softcap = float(softcap)
+    # Comparisons rather than math.isfinite, which torch.compile cannot trace on a symbolic float; NaN fails both.
+    if not 0 <= softcap < math.inf:
         raise ValueError(f"{where}: softcap must be a finite float >= 0 (0 disables it), got {softcap}")
     if softmax_scale is None:
         scale = q.shape[2] ** -0.5
@@ -164,6 +166,6 @@ def check_mask(
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"{where}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
         scale = float(softmax_scale)
-        if not math.isfinite(scale) or scale <= 0:
+        if not 0 < scale < math.inf:
             raise ValueError(f"{where}: softmax_scale must be finite and > 0, got {softmax_scale}")
-    return MaskSpec(scale=scale, left=left, right=right, softcap=float(softcap))
+    return MaskSpec(scale=scale, left=left, right=right, softcap=softcap)

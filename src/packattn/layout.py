@@ -106,17 +106,46 @@ def _host_offsets(cu: torch.Tensor, host: Sequence[int] | None, name: str, where
         if cu.device.type == "meta":
             raise ValueError(f"{where}: {name} is on the meta device and holds no values; pass {name}_host")
         return tuple(int(x) for x in cu.tolist())
+    return _host_values(cu, host, name, where, (int,))
+
+
+def _host_values(
+    cu: torch.Tensor, host: Sequence[int], name: str, where: str, kinds: tuple[type, ...]
+) -> tuple[int, ...]:
     if isinstance(host, torch.Tensor):
         raise TypeError(f"{where}: {name}_host must be a list/tuple of Python ints, got a torch.Tensor")
     try:
         values = tuple(host)
     except TypeError:
         raise TypeError(f"{where}: {name}_host must be a list/tuple of ints, got {type(host).__name__}") from None
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+    if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in values):
         raise TypeError(f"{where}: {name}_host must hold only Python ints, got {values!r}")
     if len(values) != cu.numel():
         raise ValueError(f"{where}: {name}_host must have the same length as {name} ({cu.numel()}), got {len(values)}")
     return values
+
+
+def check_traced(
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    cu_seqlens_q_host: Sequence[int] | None,
+    cu_seqlens_k_host: Sequence[int] | None,
+    where: str,
+) -> tuple[list[int] | None, list[int] | None]:
+    """The checks of :meth:`SeqLayout.build` that need no offset values (types, dtypes, lengths), for tracing
+    under ``torch.compile``; the value checks run when the op does. Returns the host copies as lists, whose
+    entries may be ``SymInt`` there."""
+    cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", where)
+    cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", where)
+    hosts = []
+    for cu, host, name in ((cu_q, cu_seqlens_q_host, "cu_seqlens_q"), (cu_k, cu_seqlens_k_host, "cu_seqlens_k")):
+        hosts.append(None if host is None else list(_host_values(cu, host, name, where, (int, torch.SymInt))))
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"{where}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+            f"got {cu_q.numel() - 1} and {cu_k.numel() - 1} (lengths {cu_q.numel()} and {cu_k.numel()})"
+        )
+    return hosts[0], hosts[1]
 
 
 def _check_offsets(host: tuple[int, ...], total: int, name: str, total_name: str, where: str) -> None:

@@ -93,12 +93,14 @@ def peak_extra_mib(fn, out_bytes: int, device: str = "cpu") -> float | None:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    # An op's memory usage includes that of the ops it calls: count each allocation once, where it is made.
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    # Replay the allocator's own timeline (allocations > 0, frees < 0). Per-op memory columns would not do:
+    # an op implemented in Python (packattn's custom ops) is charged the frees of the ops it calls.
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     current = peak = 0
-    for e in events:
-        current += e.self_cpu_memory_usage
-        peak = max(peak, current)
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            current += e.nbytes()
+            peak = max(peak, current)
     return max(0, peak - out_bytes) / 2**20
 
 

@@ -1,0 +1,126 @@
+"""flash-attn 2's ``flash_attn_varlen_func``, on any device, backed by :func:`packattn.varlen_attention`.
+
+Same signature, defaults, masking conventions (bottom-right causal, inclusive ``(left, right)`` windows,
+soft-capping) and return conventions. Where packattn differs, it says so instead of guessing:
+
+* ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` (paged KV) raise ``NotImplementedError``: packattn
+  computes exact attention over contiguous packed K/V, and ignoring them would change results silently.
+* ``max_seqlen_q``/``max_seqlen_k`` smaller than a real sequence length raise ``ValueError`` (flash-attn
+  sizes its grid with them and silently leaves the rows past them uncomputed). Checking them reads the
+  offsets once (a device sync for offsets on an accelerator; flash-attn's signature has no host copies).
+* ``causal=True`` with a window that looks right of the diagonal raises ``ValueError`` (flash-attn sets
+  the right bound to 0 silently).
+* Rows that see no key have LSE **-inf**, where flash-attn 2 returns +inf: -inf is the log of an empty sum,
+  the value that merges of partial results (ring attention, split-KV) need to stay NaN-free, and what
+  FlashAttention-3's kernel and FlashInfer return. Code that tests ``lse.isinf()`` works with both; code
+  that compares with ``+inf`` must compare with ``-inf``.
+* ``deterministic=True`` is honoured: the CPU backends' backward is deterministic; on other devices, when
+  gradients are needed, the call runs on the ``reference`` backend, whose backward adds no atomics.
+* Any packattn dtype (flash-attn: fp16/bf16) and int32 or int64 offsets; the LSE is differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..api import run_attention
+from ..inputs import check_tensors
+from ..layout import SeqLayout
+
+__all__ = ["flash_attn_varlen_func"]
+
+WHERE = "flash_attn_varlen_func"
+
+
+def _check_max(value: object, name: str, longest: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{WHERE}: {name} must be an int, got {type(value).__name__}; pass a Python int (.item())")
+    if value < longest:
+        raise ValueError(
+            f"{WHERE}: {name} must be at least the longest sequence ({longest}), got {value}; flash-attn would "
+            "leave the rows past it uncomputed"
+        )
+
+
+def _refuse(dropout_p: object, alibi_slopes: object, block_table: object) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{WHERE}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"{WHERE}: dropout_p must be 0.0, got {dropout_p}; packattn computes exact attention without dropout "
+            "(pass dropout_p=0.0, e.g. `dropout if self.training else 0.0` in evaluation)"
+        )
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{WHERE}: alibi_slopes is not supported; pass None")
+    if block_table is not None:
+        raise NotImplementedError(f"{WHERE}: block_table (paged KV cache) is not supported; pass packed K/V and None")
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+    """flash-attn 2's varlen attention (see the module docstring for the differences).
+
+    Shapes: ``q (total_q, nheads, headdim)``, ``k (total_k, nheads_k, headdim)``, ``v (total_k, nheads_k,
+    headdim_v)``, ``cu_seqlens_q/k (batch + 1,)`` int32/int64. Query ``i`` of a sequence sees key ``j`` iff
+    ``i + Lk - Lq - window_size[0] <= j <= i + Lk - Lq + window_size[1]`` (``-1`` unbounded; ``causal`` is
+    ``window_size[1] = 0``).
+
+    Returns ``out (total_q, nheads, headdim_v)``, or with ``return_attn_probs=True`` ``(out, softmax_lse,
+    None)``: ``softmax_lse (nheads, total_q)`` float32 (float64 for float64 inputs), ``-inf`` for rows that
+    see no key; the attention probabilities are never materialised.
+
+    Example:
+        >>> import torch
+        >>> from packattn.compat.flash_attn import flash_attn_varlen_func
+        >>> cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        >>> q, k, v = (torch.randn(8, 2, 16) for _ in range(3))
+        >>> out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, return_attn_probs=True)
+        >>> tuple(out.shape), tuple(lse.shape)
+        ((8, 2, 16), (2, 8))
+    """
+    _refuse(dropout_p, alibi_slopes, block_table)
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{WHERE}: {name} must be a bool, got {type(flag).__name__}")
+    check_tensors(q, k, v, WHERE)
+    layout = SeqLayout.build(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where=WHERE)
+    _check_max(max_seqlen_q, "max_seqlen_q", layout.max_q)
+    _check_max(max_seqlen_k, "max_seqlen_k", layout.max_k)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    backend = "reference" if deterministic and grad and q.device.type != "cpu" else None
+    res = run_attention(
+        q,
+        k,
+        v,
+        layout.cu_q,
+        layout.cu_k,
+        cu_seqlens_q_host=layout.host_q,
+        cu_seqlens_k_host=layout.host_k,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        return_lse=return_attn_probs,
+        backend=backend,
+        where=WHERE,
+    )
+    if isinstance(res, tuple):  # return_attn_probs
+        out, lse = res
+        return out, lse, None
+    return res

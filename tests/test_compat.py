@@ -1,0 +1,244 @@
+"""The drop-in signatures: sglang's ``fused_infer_attention_varlen`` and flash-attn 2's ``flash_attn_varlen_func``,
+against the oracle, with their return conventions, validation messages, refusals and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import packattn
+from packattn.compat.flash_attn import flash_attn_varlen_func
+from packattn.compat.sglang import fused_infer_attention_varlen
+
+from .helpers import Case, assert_matches_oracle, check_backward, make_case
+
+SEED_CASE = ([5, 0, 7], [9, 8, 8])  # cu_q = [0, 5, 5, 12], cu_k = [0, 9, 17, 25]
+PATTERNS = {
+    "seed": SEED_CASE,
+    "empty_k_side": ([4, 6, 3], [5, 0, 3]),
+    "no_keys_at_all": ([4, 2], [0, 0]),
+    "nothing_at_all": ([0, 0], [0, 0]),
+    "lq_gt_lk": ([9, 17], [4, 3]),
+}
+
+
+def longest(lengths: list[int]) -> int:
+    return max(lengths, default=0)
+
+
+# sglang's fused_infer_attention_varlen -----------------------------------------------------------------
+
+
+def sglang(case: Case, *, host: bool = False, **kwargs: object):
+    copies = {"cu_seqlens_q_host": case.cu_q, "cu_seqlens_k_host": case.cu_k} if host else {}
+    return fused_infer_attention_varlen(case.q, case.k, case.v, *case.tensors(), **copies, **kwargs)
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["device-offsets", "host-copies"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_sglang_matches_oracle_with_empty_sides(pattern, host):
+    case = make_case(*PATTERNS[pattern], hq=4, hkv=2, d=16, dv=8)
+    out, lse = sglang(case, host=host, return_softmax_lse=True)
+    assert_matches_oracle(case, out, lse)
+    assert lse.dtype == torch.float32 and lse.shape == (4, case.q.shape[0])
+    only = sglang(case, host=host)
+    assert isinstance(only, torch.Tensor) and torch.equal(only, out)
+
+
+def test_sglang_seed_case_rows_without_keys_and_scale():
+    case = make_case([4, 3], [0, 6], hq=2, hkv=1, d=8)
+    out, lse = sglang(case, return_softmax_lse=True, softmax_scale=0.2)
+    assert_matches_oracle(case, out, lse, softmax_scale=0.2)
+    assert torch.equal(out[:4], torch.zeros_like(out[:4])) and torch.equal(lse[:, :4], torch.full((2, 4), -torch.inf))
+
+
+def test_sglang_fp64_lse_is_fp64():
+    case = make_case(*SEED_CASE, dtype=torch.float64)
+    out, lse = sglang(case, return_softmax_lse=True)
+    assert_matches_oracle(case, out, lse)
+    assert lse.dtype == torch.float64
+
+
+def test_sglang_gradients(monkeypatch):
+    check_backward_through(monkeypatch, lambda c: sglang(c, return_softmax_lse=True))
+
+
+def _seed_args() -> dict[str, object]:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 64, generator=gen) for n, h in ((12, 4), (25, 2), (25, 2)))
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "cu_seqlens_q": torch.tensor([0, 5, 5, 12]),
+        "cu_seqlens_k": torch.tensor([0, 9, 17, 25]),
+    }
+
+
+SGLANG_ERRORS = {  # id: (changed arguments, from the seed case's, error, message)
+    "q-2d": (
+        lambda a: {"q": a["q"][:, 0]},
+        ValueError,
+        r"q must be 3-D \(tokens, heads, head_dim\), got shape \(12, 64\)",
+    ),
+    "k-dtype": (lambda a: {"k": a["k"].double()}, TypeError, r"k must have the same dtype as q \(torch.float32\)"),
+    "v-tokens": (
+        lambda a: {"v": a["v"][:24]},
+        ValueError,
+        r"k and v must have the same number of tokens, got 25 and 24",
+    ),
+    "k-head-dim": (lambda a: {"k": a["k"][..., :32]}, ValueError, r"q and k must have the same head_dim"),
+    "cu-float": (
+        lambda a: {"cu_seqlens_q": a["cu_seqlens_q"].float()},
+        TypeError,
+        r"cu_seqlens_q must have dtype int32",
+    ),
+    "cu-2d": (lambda a: {"cu_seqlens_q": a["cu_seqlens_q"][None]}, ValueError, r"cu_seqlens_q must be 1-D"),
+    "cu-start": (lambda a: {"cu_seqlens_k": torch.tensor([1, 9, 17, 25])}, ValueError, r"cu_seqlens_k must start at 0"),
+    "cu-end": (
+        lambda a: {"cu_seqlens_k": torch.tensor([0, 9, 17, 24])},
+        ValueError,
+        r"cu_seqlens_k must end at k.shape\[0\] \(25\), got 24",
+    ),
+    "cu-decreasing": (
+        lambda a: {"cu_seqlens_q": torch.tensor([0, 6, 5, 12])},
+        ValueError,
+        r"cu_seqlens_q must be non-decreasing, got 6 then 5",
+    ),
+    "batch": (
+        lambda a: {"cu_seqlens_k": torch.tensor([0, 25])},
+        ValueError,
+        r"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got 3 and 1",
+    ),
+    "host-length": (
+        lambda a: {"cu_seqlens_q_host": [0, 5, 12]},
+        ValueError,
+        r"cu_seqlens_q_host must have the same length as cu_seqlens_q \(4\)",
+    ),
+    "lse-flag": (lambda a: {"return_softmax_lse": 1}, TypeError, r"return_softmax_lse must be a bool, got int"),
+}
+
+
+@pytest.mark.parametrize("name", SGLANG_ERRORS)
+def test_sglang_validation_messages(name):
+    change, error, message = SGLANG_ERRORS[name]
+    args = _seed_args()
+    args.update(change(args))
+    with pytest.raises(error, match=f"^fused_infer_attention_varlen: {message}"):
+        fused_infer_attention_varlen(**args)  # type: ignore[arg-type]
+    fused_infer_attention_varlen(**_seed_args())  # type: ignore[arg-type]  # the unchanged case runs
+
+
+# flash-attn 2's flash_attn_varlen_func ---------------------------------------------------------------------
+
+
+def flash(case: Case, **kwargs: object):
+    lens_q = [b - a for a, b in zip(case.cu_q, case.cu_q[1:])]
+    lens_k = [b - a for a, b in zip(case.cu_k, case.cu_k[1:])]
+    return flash_attn_varlen_func(case.q, case.k, case.v, *case.tensors(), longest(lens_q), longest(lens_k), **kwargs)
+
+
+MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (3, 2)},
+    "window_causal": {"window_size": (4, -1), "causal": True},
+    "softcap_scale": {"softcap": 2.5, "softmax_scale": 0.3},
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_flash_attn_matches_oracle(pattern, mask):
+    case = make_case(*PATTERNS[pattern], hq=4, hkv=2, d=16)
+    out, lse, probs = flash(case, return_attn_probs=True, **MASKS[mask])
+    assert probs is None
+    assert_matches_oracle(case, out, lse, **MASKS[mask])
+    only = flash(case, **MASKS[mask])
+    assert isinstance(only, torch.Tensor) and torch.equal(only, out)
+
+
+def test_flash_attn_lse_is_minus_inf_for_rows_without_keys():
+    """flash-attn 2 returns +inf there; this drop-in returns packattn's -inf (see the module docstring)."""
+    case = make_case([3, 4, 2], [0, 5, 2], hq=2, hkv=2, d=8)
+    out, lse, _ = flash(case, return_attn_probs=True, causal=True)  # sequence 2: first 0 rows see no key
+    assert lse.shape == (2, 9) and lse.dtype == torch.float32
+    assert torch.equal(lse[:, :3], torch.full((2, 3), -torch.inf)) and torch.equal(out[:3], torch.zeros_like(out[:3]))
+    assert torch.isfinite(lse[:, 3:]).all()
+
+
+def test_flash_attn_larger_max_seqlen_is_fine_and_smaller_raises():
+    case = make_case(*SEED_CASE, hq=4, hkv=2, d=16)
+    args = (case.q, case.k, case.v, *case.tensors())
+    torch.testing.assert_close(flash_attn_varlen_func(*args, 100, 100), flash(case), rtol=0, atol=0)
+    message = r"^flash_attn_varlen_func: max_seqlen_q must be at least the longest sequence \(7\), got 6; flash-attn"
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_func(*args, 6, 9)
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be at least the longest sequence \(9\), got 8"):
+        flash_attn_varlen_func(*args, 7, 8)
+    with pytest.raises(TypeError, match=r"max_seqlen_q must be an int, got Tensor; pass a Python int"):
+        flash_attn_varlen_func(*args, torch.tensor(7), 9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dropout_p": 0.1}, r"dropout_p must be 0.0, got 0.1; packattn computes exact attention without dropout"),
+        ({"alibi_slopes": torch.ones(4)}, r"alibi_slopes is not supported; pass None"),
+        ({"block_table": torch.zeros(3, 1, dtype=torch.int32)}, r"block_table \(paged KV cache\) is not supported"),
+    ],
+    ids=["dropout", "alibi", "block_table"],
+)
+def test_flash_attn_refuses_what_it_cannot_honour(kwargs, message):
+    case = make_case(*SEED_CASE)
+    with pytest.raises(NotImplementedError, match=f"^flash_attn_varlen_func: {message}"):
+        flash(case, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"dropout_p": None}, TypeError, r"dropout_p must be a float, got NoneType"),
+        ({"return_attn_probs": 1}, TypeError, r"return_attn_probs must be a bool, got int"),
+        ({"deterministic": "yes"}, TypeError, r"deterministic must be a bool, got str"),
+        ({"causal": True, "window_size": (2, 3)}, ValueError, r"causal=True means window_size right = 0"),
+        ({"softcap": -1.0}, ValueError, r"softcap must be a finite float >= 0"),
+    ],
+    ids=["dropout-type", "probs-type", "deterministic-type", "causal-right-window", "softcap"],
+)
+def test_flash_attn_validation_messages(kwargs, error, message):
+    with pytest.raises(error, match=f"^flash_attn_varlen_func: {message}"):
+        flash(make_case(*SEED_CASE), **kwargs)
+
+
+def test_flash_attn_offsets_are_validated_with_its_name():
+    case = make_case(*SEED_CASE)
+    with pytest.raises(
+        ValueError, match=r"^flash_attn_varlen_func: cu_seqlens_k must end at k.shape\[0\] \(25\), got 24"
+    ):
+        flash_attn_varlen_func(case.q, case.k, case.v, case.tensors()[0], torch.tensor([0, 9, 17, 24]), 7, 9)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_attn_gradients(monkeypatch, deterministic):
+    def drop_in(c: Case, **mask: object) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, _ = flash(c, deterministic=deterministic, return_attn_probs=True, **mask)
+        return out, lse
+
+    check_backward_through(monkeypatch, drop_in, causal=True, window_size=(5, -1))
+
+
+# shared -----------------------------------------------------------------------------------------------------
+
+
+def check_backward_through(monkeypatch: pytest.MonkeyPatch, drop_in, **mask: object) -> None:
+    """Gradients through ``drop_in(case, **mask) -> (out, lse)`` against the oracle's (through out and LSE):
+    the helpers' ``check_backward``, with its ``varlen_attention`` call routed through the drop-in."""
+
+    def routed(q, k, v, cu_q, cu_k, *, return_lse, backend, **options):
+        assert return_lse and backend is None and options == mask
+        return drop_in(Case(q, k, v, case.cu_q, case.cu_k), **options)
+
+    case = make_case(*SEED_CASE, hq=4, hkv=2, d=16, requires_grad=True)
+    monkeypatch.setattr(packattn, "varlen_attention", routed)
+    check_backward(None, case, **mask)  # type: ignore[arg-type]
