@@ -101,12 +101,13 @@ def _build(verbose: bool) -> ModuleType:
     fresh = not (where / f"{name}.so").exists()
     if fresh:
         print(f"packattn: compiling the C++ CPU kernel into {where} (once per torch version and CPU)", file=sys.stderr)
+    cap = capability()
+    flags = ["-O3", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
     try:
         module = cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-DNDEBUG", f"-DCPU_CAPABILITY={capability()}", f"-DCPU_CAPABILITY_{capability()}"]
-            + _ISA_FLAGS.get(capability(), []),
+            extra_cflags=flags,
             build_directory=str(where),
             verbose=verbose,
         )
