@@ -30,8 +30,8 @@ def _build(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"cpu_kernel: {exc}")
         return 1
-    units = "AMX matrix units" if module.matrix_units() else "fp32 tiles"
-    print(f"cpu_kernel: ready in {time.perf_counter() - start:.1f} s ({build.capability()}, bf16/fp16 on {units})")
+    units = "bf16 on AMX, fp16 as fp32 tiles" if module.matrix_units() else "bf16 and fp16 as fp32 tiles"
+    print(f"cpu_kernel: ready in {time.perf_counter() - start:.1f} s ({build.capability()}; {units})")
     print(f"  cached in {build.build_dir()}")
     return 0
 

@@ -144,49 +144,58 @@ void run_plan(const Plan& plan, const W& make_workspace, const F& fn) {
 // ---------------------------------------------------------------------------------------------------------
 // Tiles
 
-float* buffer(std::vector<at::Tensor>& keep, int64_t n) {  // 64-byte aligned fp32 scratch
-  keep.push_back(at::empty({std::max<int64_t>(n, 1)}, at::kFloat));
-  return keep.back().data_ptr<float>();
+template <typename U = float>
+U* buffer(std::vector<at::Tensor>& keep, int64_t n) {  // 64-byte aligned scratch
+  keep.push_back(at::empty({std::max<int64_t>(n, 1)}, c10::CppTypeToScalarType<U>::value));
+  return keep.back().data_ptr<U>();
 }
 
-template <typename T>
-void load_row(const T* src, int64_t stride, int64_t n, float* dst) {
+template <typename T, typename U>
+void load_row(const T* src, int64_t stride, int64_t n, U* dst) {  // converted to U (fp32, or T itself)
   if (stride == 1) {
     at::vec::convert(src, dst, n);
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i * stride]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i * stride]);
   }
 }
 
 inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// Rows [t0, t0 + n) of head h as an fp32 [npad, width] tile, rows from n on zero.
-template <typename T>
-void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, float* dst) {
-  for (int64_t r = 0; r < n; ++r) load_row(x.at(t0 + r, h), x.s2, width, dst + r * width);
-  std::fill(dst + n * width, dst + npad * width, 0.f);
+// Rows [t0, t0 + n) of head h as a [npad, ld] tile: columns from width on and rows from n on are zero.
+template <typename T, typename U>
+void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t ld, U* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    load_row(x.at(t0 + r, h), x.s2, width, dst + r * ld);
+    std::fill(dst + r * ld + width, dst + (r + 1) * ld, U(0));
+  }
+  std::fill(dst + n * ld, dst + npad * ld, U(0));
 }
 
-// The same rows transposed: an fp32 [width, npad] tile, columns from n on zero.
-template <typename T>
-void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, float* dst) {
+// The same rows transposed: a [width_pad, npad] tile, columns from n on and rows from width on zero.
+template <typename T, typename U>
+void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t width_pad,
+                 U* dst) {
   for (int64_t r = 0; r < n; ++r) {
     const T* src = x.at(t0 + r, h);
-    for (int64_t c = 0; c < width; ++c) dst[c * npad + r] = static_cast<float>(src[c * x.s2]);
+    for (int64_t c = 0; c < width; ++c) dst[c * npad + r] = static_cast<U>(src[c * x.s2]);
   }
-  for (int64_t c = 0; c < width; ++c) std::fill(dst + c * npad + n, dst + (c + 1) * npad, 0.f);
+  for (int64_t c = 0; c < width; ++c) std::fill(dst + c * npad + n, dst + (c + 1) * npad, U(0));
+  std::fill(dst + width * npad, dst + width_pad * npad, U(0));
 }
 
-// The G x bq rows of a query-side tensor (q or dout) for KV head h as an fp32 [rows_pad, width] tile: row
-// gi * bq + ii is query row i0 + ii of query head h * G + gi; rows from G x bq on are zero.
-template <typename T>
-void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t h, int64_t g, int64_t width, float* dst) {
+// The G x bq rows of a query-side tensor (q or dout) for KV head h as a [pad16(G x bq), ld] tile: row
+// gi * bq + ii is query row i0 + ii of query head h * G + gi; padding rows and columns are zero.
+template <typename T, typename U>
+void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t h, int64_t g, int64_t width,
+                int64_t ld, U* dst) {
   for (int64_t gi = 0; gi < g; ++gi) {
     for (int64_t ii = 0; ii < bq; ++ii) {
-      load_row(x.at(s.q0 + i0 + ii, h * g + gi), x.s2, width, dst + (gi * bq + ii) * width);
+      U* row = dst + (gi * bq + ii) * ld;
+      load_row(x.at(s.q0 + i0 + ii, h * g + gi), x.s2, width, row);
+      std::fill(row + width, row + ld, U(0));
     }
   }
-  std::fill(dst + g * bq * width, dst + pad16(g * bq) * width, 0.f);
+  std::fill(dst + g * bq * ld, dst + pad16(g * bq) * ld, U(0));
 }
 
 void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {  // [rows, cols] -> [cols, rows]
@@ -201,6 +210,21 @@ inline void mm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, con
                int64_t ldc, bool add) {
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, false);
 }
+
+constexpr int64_t kPackN = 64;  // oneDNN packs B in column blocks of 16, 32, 48 or 64
+
+// The same in bf16 on the CPU's matrix units (AMX): B (K even, N a multiple of 16) is packed to VNNI one
+// block of up to 64 columns at a time into `packed` (K x 64) and multiplied; accumulation in fp32.
+inline void mm_amx(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda, const at::BFloat16* b,
+                   int64_t ldb, at::BFloat16* packed, float* c, int64_t ldc, bool add) {
+  for (int64_t n0 = 0; n0 < n; n0 += kPackN) {
+    const int64_t nc = std::min(kPackN, n - n0);
+    at::native::cpublas::pack(k, nc, ldb, nc, at::kBFloat16, at::kBFloat16, b + n0, packed);
+    at::native::cpublas::brgemm(m, nc, k, lda, nc, ldc, add, a, packed, c + n0, true);
+  }
+}
+
+bool use_amx(at::ScalarType dtype) { return dtype == at::kBFloat16 && at::native::cpublas::could_pack(dtype); }
 
 // Scaled (and soft-capped) scores in place on x[0, n); with tanh_out, also the tanh of soft-capping.
 inline void transform_scores(float* x, int64_t n, const Mask& mask, float* tanh_out) {
@@ -243,6 +267,11 @@ constexpr int64_t kFwdKeys = 256;  // keys per score tile
 struct FwdWork {
   std::vector<at::Tensor> keep;
   float *q, *s, *kt, *v, *acc, *m, *l;
+  at::BFloat16 *qh, *kth, *vh, *ph, *pack;  // bf16 tiles for the matrix units
+  bool amx = false;
+  ~FwdWork() {
+    if (amx) at::native::cpublas::brgemm_release();
+  }
 };
 
 // Online softmax of one score row over its visible columns [c0, c1): turns them into exp(s - m_new),
@@ -266,35 +295,52 @@ inline float softmax_row(float* row, int64_t c0, int64_t c1, int64_t width, cons
   return alpha;
 }
 
-template <typename T>
+// One forward item. kAmx: bf16 tiles on the matrix units (T is BFloat16), else fp32 tiles.
+template <bool kAmx, typename T>
 void forward_item(const Item& it, FwdWork& w, const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh,
                   const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, T* out, float* lse, int64_t hq, int64_t tq) {
   const Seq& s = seqs[it.b];
   const int64_t i0 = it.r0, i1 = it.r1, bq = i1 - i0, rows = sh.g * bq, mp = pad16(rows), d = sh.d, dv = sh.dv;
-  load_group(q, s, i0, bq, it.h, sh.g, d, w.q);
+  const int64_t dp = kAmx ? (d + 1) / 2 * 2 : d, ldo = kAmx ? pad16(dv) : dv;  // VNNI: even K, N in 16s
+  if constexpr (kAmx) {
+    load_group(q, s, i0, bq, it.h, sh.g, d, dp, w.qh);
+  } else {
+    load_group(q, s, i0, bq, it.h, sh.g, d, d, w.q);
+  }
   std::fill(w.m, w.m + rows, kNegInf);
   std::fill(w.l, w.l + rows, 0.f);
-  std::fill(w.acc, w.acc + mp * dv, 0.f);
+  std::fill(w.acc, w.acc + mp * ldo, 0.f);
   const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
   for (int64_t j0 = lo; j0 < hi; j0 += kFwdKeys) {
     const int64_t j1 = std::min(hi, j0 + kFwdKeys), bk = j1 - j0, kp = pad16(bk);
-    load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, w.kt);
-    mm(mp, kp, d, w.q, d, w.kt, kp, w.s, kp, false);
+    if constexpr (kAmx) {
+      load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, dp, w.kth);
+      mm_amx(mp, kp, dp, w.qh, dp, w.kth, kp, w.pack, w.s, kp, false);
+    } else {
+      load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, d, w.kt);
+      mm(mp, kp, d, w.q, d, w.kt, kp, w.s, kp, false);
+    }
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j1);
     for (int64_t r = 0; r < rows; ++r) {
       auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
       const float alpha = softmax_row(w.s + r * kp, c0, c1, kp, mask, w.m[r], w.l[r]);
       if (alpha != 1.f) {
         const Vec a(alpha);
-        at::vec::map([a](Vec x) { return x * a; }, w.acc + r * dv, w.acc + r * dv, dv);
+        at::vec::map([a](Vec x) { return x * a; }, w.acc + r * ldo, w.acc + r * ldo, dv);
       }
     }
-    load_tile(v, s.k0 + j0, bk, kp, it.h, dv, w.v);
-    mm(mp, dv, kp, w.s, kp, w.v, dv, w.acc, dv, true);
+    if constexpr (kAmx) {
+      at::vec::convert(w.s, w.ph, mp * kp);
+      load_tile(v, s.k0 + j0, bk, kp, it.h, dv, ldo, w.vh);
+      mm_amx(mp, ldo, kp, w.ph, kp, w.vh, ldo, w.pack, w.acc, ldo, true);
+    } else {
+      load_tile(v, s.k0 + j0, bk, kp, it.h, dv, dv, w.v);
+      mm(mp, dv, kp, w.s, kp, w.v, dv, w.acc, dv, true);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = s.q0 + i0 + r % bq, head = it.h * sh.g + r / bq;
-    float* acc = w.acc + r * dv;
+    float* acc = w.acc + r * ldo;
     const bool seen = w.l[r] > 0.f;
     const Vec inv(seen ? 1.f / w.l[r] : 0.f);
     at::vec::map([inv](Vec x) { return x * inv; }, acc, acc, dv);
@@ -323,18 +369,39 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     const auto qr = rows_of<scalar_t>(q), kr = rows_of<scalar_t>(k), vr = rows_of<scalar_t>(v);
     scalar_t* o = out.data_ptr<scalar_t>();
     float* l = with_lse ? lse.data_ptr<float>() : nullptr;
+    const bool amx = use_amx(q.scalar_type());
+    const int64_t dp = sh.d + 1, dvp = pad16(sh.dv);
     auto make = [&] {
       FwdWork w;
-      w.q = buffer(w.keep, mp * sh.d);
       w.s = buffer(w.keep, mp * kFwdKeys);
-      w.kt = buffer(w.keep, kFwdKeys * sh.d);
-      w.v = buffer(w.keep, kFwdKeys * sh.dv);
-      w.acc = buffer(w.keep, mp * sh.dv);
+      w.acc = buffer(w.keep, mp * dvp);
       w.m = buffer(w.keep, mp);
       w.l = buffer(w.keep, mp);
+      if (amx) {
+        w.amx = true;
+        w.qh = buffer<at::BFloat16>(w.keep, mp * dp);
+        w.kth = buffer<at::BFloat16>(w.keep, kFwdKeys * dp);
+        w.vh = buffer<at::BFloat16>(w.keep, kFwdKeys * dvp);
+        w.ph = buffer<at::BFloat16>(w.keep, mp * kFwdKeys);
+        w.pack = buffer<at::BFloat16>(w.keep, std::max(dp, kFwdKeys) * kPackN);
+      } else {
+        w.q = buffer(w.keep, mp * sh.d);
+        w.kt = buffer(w.keep, kFwdKeys * sh.d);
+        w.v = buffer(w.keep, kFwdKeys * sh.dv);
+      }
       return w;
     };
-    run_plan(plan, make, [&](const Item& it, FwdWork& w) { forward_item(it, w, seqs, mask, sh, qr, kr, vr, o, l, hq, tq); });
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (amx) {
+        run_plan(plan, make, [&](const Item& it, FwdWork& w) {
+          forward_item<true>(it, w, seqs, mask, sh, qr, kr, vr, o, l, hq, tq);
+        });
+        return;
+      }
+    }
+    run_plan(plan, make, [&](const Item& it, FwdWork& w) {
+      forward_item<false>(it, w, seqs, mask, sh, qr, kr, vr, o, l, hq, tq);
+    });
   });
   return {out, lse};
 }
@@ -388,8 +455,8 @@ void grad_tile(BwdWork& w, const Seq& s, const Mask& mask, const Shape& sh, int6
 template <typename T>
 void load_query_side(BwdWork& w, const Seq& s, int64_t i0, int64_t bq, int64_t h, const Shape& sh, const Rows<T>& q,
                      const Rows<T>& dout, const float* lse, const float* delta, int64_t tq) {
-  load_group(q, s, i0, bq, h, sh.g, sh.d, w.q);
-  load_group(dout, s, i0, bq, h, sh.g, sh.dv, w.dout);
+  load_group(q, s, i0, bq, h, sh.g, sh.d, sh.d, w.q);
+  load_group(dout, s, i0, bq, h, sh.g, sh.dv, sh.dv, w.dout);
   for (int64_t gi = 0; gi < sh.g; ++gi) {
     for (int64_t ii = 0; ii < bq; ++ii) {
       const int64_t idx = (h * sh.g + gi) * tq + s.q0 + i0 + ii;
@@ -419,8 +486,8 @@ void dkdv_item(const Item& it, BwdWork& w, const BwdArgs<T>& a) {
   const Seq& s = a.seqs[it.b];
   const Shape& sh = a.sh;
   const int64_t j0 = it.r0, bk = it.r1 - it.r0, kp = pad16(bk);
-  load_tile_t(a.k, s.k0 + j0, bk, kp, it.h, sh.d, w.kt);
-  load_tile_t(a.v, s.k0 + j0, bk, kp, it.h, sh.dv, w.vt);
+  load_tile_t(a.k, s.k0 + j0, bk, kp, it.h, sh.d, sh.d, w.kt);
+  load_tile_t(a.v, s.k0 + j0, bk, kp, it.h, sh.dv, sh.dv, w.vt);
   float *dk = w.acc, *dv = w.acc2;
   std::fill(dk, dk + kp * sh.d, 0.f);
   std::fill(dv, dv + kp * sh.dv, 0.f);
@@ -450,9 +517,9 @@ void dq_item(const Item& it, BwdWork& w, const BwdArgs<T>& a) {
   const int64_t lo = a.mask.lo(s, i0), hi = a.mask.hi(s, it.r1 - 1);
   for (int64_t j0 = lo; j0 < hi; j0 += kBwdKeys) {
     const int64_t bk = std::min(hi, j0 + kBwdKeys) - j0, kp = pad16(bk);
-    load_tile_t(a.k, s.k0 + j0, bk, kp, it.h, sh.d, w.kt);
-    load_tile_t(a.v, s.k0 + j0, bk, kp, it.h, sh.dv, w.vt);
-    load_tile(a.k, s.k0 + j0, bk, kp, it.h, sh.d, w.k);
+    load_tile_t(a.k, s.k0 + j0, bk, kp, it.h, sh.d, sh.d, w.kt);
+    load_tile_t(a.v, s.k0 + j0, bk, kp, it.h, sh.dv, sh.dv, w.vt);
+    load_tile(a.k, s.k0 + j0, bk, kp, it.h, sh.d, sh.d, w.k);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk);
     mm(mp, sh.d, kp, w.ds, kp, w.k, sh.d, dq, sh.d, true);
   }
@@ -500,7 +567,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   return {dq, dk, dv};
 }
 
-bool matrix_units() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool matrix_units() { return use_amx(at::kBFloat16); }
 
 }  // namespace
 
