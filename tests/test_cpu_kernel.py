@@ -184,7 +184,7 @@ cli.main(["info"])
 
 FAILING_COMPILER = """#!/bin/sh
 case "$*" in
-  *kernel.cpp*) echo "kernel.cpp:1:1: error: simulated compiler failure" >&2; exit 1 ;;
+  *forward.cpp*) echo "forward.cpp:1:1: error: simulated compiler failure" >&2; exit 1 ;;
 esac
 exec c++ "$@"
 """
@@ -199,7 +199,7 @@ def test_failed_build_leaves_the_cpu_backend_serving(how, tmp_path):
         script = tmp_path / "failing-c++"
         script.write_text(FAILING_COMPILER)
         script.chmod(0o755)
-        cxx, expected = str(script), "the C++ kernel did not build: kernel.cpp:1:1: error: simulated compiler failure"
+        cxx, expected = str(script), "the C++ kernel did not build: forward.cpp:1:1: error: simulated compiler failure"
     res = _python(FALLBACK_CHECK, {"CXX": cxx, "PACKATTN_CACHE_DIR": str(tmp_path / "cache")})
     assert res.returncode == 0, res.stderr
     lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if line.split(" ")[0].isupper())

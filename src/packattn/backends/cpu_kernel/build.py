@@ -1,4 +1,5 @@
-"""Compile ``kernel.cpp`` on first use with ``torch.utils.cpp_extension.load`` and cache the result.
+"""Compile the kernel (``kernel.h``, ``forward.cpp``, ``backward.cpp``, ``module.cpp``) on first use with
+``torch.utils.cpp_extension.load`` and cache the result.
 
 The cache holds one build per torch version, CPU capability (ATen's, e.g. ``AVX512``, ``AVX2``; the
 ``ATEN_CPU_CAPABILITY`` variable lowers it) and source: ``$PACKATTN_CACHE_DIR``, else
@@ -19,7 +20,9 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernel.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / name for name in ("forward.cpp", "backward.cpp", "module.cpp")]
+HEADERS = [HERE / "kernel.h"]
 
 # Flags per ATen CPU capability: the ones ATen's own kernels of that capability are compiled with.
 _ISA_FLAGS = {
@@ -43,7 +46,7 @@ def cache_dir() -> Path:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}"
 
 
@@ -106,7 +109,7 @@ def _build(verbose: bool) -> ModuleType:
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=flags,
             build_directory=str(where),
             verbose=verbose,
