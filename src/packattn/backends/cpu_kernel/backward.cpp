@@ -14,7 +14,7 @@ template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct BwdWork {
   std::vector<at::Tensor> keep;
   float *lse, *delta, *s, *ds, *tanh, *acc, *acc2;
-  E *q, *dout, *kt, *vt, *k, *half, *st;                 // tiles
+  E *q, *dout, *kt, *vt, *k, *half, *st, *scratch;        // tiles
   E *q_packed, *dout_packed, *kt_packed, *vt_packed, *k_packed;  // their VNNI forms (bf16 only)
 };
 
@@ -85,8 +85,8 @@ template <typename E, typename T>
 std::pair<BOperand, BOperand> load_keys_t(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t j0, int64_t bk,
                                           int64_t h) {
   const int64_t kp = pad16(bk), dp = tile_width<E>(a.sh.d), dvp = tile_width<E>(a.sh.dv);
-  load_tile_t(a.k, s.k0 + j0, bk, kp, h, a.sh.d, dp, w.kt);
-  load_tile_t(a.v, s.k0 + j0, bk, kp, h, a.sh.dv, dvp, w.vt);
+  load_tile_t(a.k, s.k0 + j0, bk, kp, h, a.sh.d, dp, w.kt, w.scratch);
+  load_tile_t(a.v, s.k0 + j0, bk, kp, h, a.sh.dv, dvp, w.vt, w.scratch);
   return {prepare_b(w.kt, dp, kp, kp, w.kt_packed), prepare_b(w.vt, dvp, kp, kp, w.vt_packed)};
 }
 
@@ -109,9 +109,9 @@ void dkdv_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
     const int64_t bq = std::min(last, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
     load_query_side(w, a, s, i0, bq, it.h);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, kt, vt);
-    transpose(as_tile(w.s, mp * kp, w.half), mp, kp, w.st);  // P^T
+    transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp);  // P^T
     mm(kp, dvp, mp, w.st, mp, prepare_b(w.dout, mp, dvp, dvp, w.dout_packed), dv, dvp, true);
-    transpose(as_tile(w.ds, mp * kp, w.half), mp, kp, w.st);  // dS^T
+    transpose(as_tile(w.ds, mp * kp, w.half), mp, kp, kp, w.st, mp);  // dS^T
     mm(kp, dp, mp, w.st, mp, prepare_b(w.q, mp, dp, dp, w.q_packed), dk, dp, true);
   }
   const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + it.h;
@@ -160,6 +160,7 @@ void run_backward(const BwdArgs<T>& a) {
     w.kt = buffer<E>(w.keep, kBwdKeys * dp);
     w.vt = buffer<E>(w.keep, kBwdKeys * dvp);
     w.k = buffer<E>(w.keep, kBwdKeys * dp);
+    w.scratch = buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp));
     w.st = buffer<E>(w.keep, mp * kBwdKeys);
     w.half = amx ? buffer<E>(w.keep, mp * kBwdKeys) : nullptr;
     w.q_packed = amx ? buffer<E>(w.keep, mp * dp) : nullptr;

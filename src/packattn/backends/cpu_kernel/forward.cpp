@@ -12,7 +12,7 @@ template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct FwdWork {
   std::vector<at::Tensor> keep;
   float *s, *acc, *m, *l;
-  E *q, *kt, *v, *p, *kt_packed, *v_packed;
+  E *q, *kt, *v, *p, *kt_packed, *v_packed, *scratch;
 };
 
 // Online softmax of one score row over its visible columns [c0, c1): turns them into exp(s - m_new),
@@ -49,7 +49,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
   const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
   for (int64_t j0 = lo; j0 < hi; j0 += kFwdKeys) {
     const int64_t j1 = std::min(hi, j0 + kFwdKeys), bk = j1 - j0, kp = pad16(bk);
-    load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, dp, w.kt);
+    load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, dp, w.kt, w.scratch);
     mm(mp, kp, dp, w.q, dp, prepare_b(w.kt, dp, kp, kp, w.kt_packed), w.s, kp, false);
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j1);
     for (int64_t r = 0; r < rows; ++r) {
@@ -90,6 +90,7 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
     w.l = buffer(w.keep, mp);
     w.q = buffer<E>(w.keep, mp * dp);
     w.kt = buffer<E>(w.keep, kFwdKeys * dp);
+    w.scratch = buffer<E>(w.keep, kFwdKeys * dp);
     w.v = buffer<E>(w.keep, kFwdKeys * ldo);
     w.p = amx ? buffer<E>(w.keep, mp * kFwdKeys) : nullptr;
     w.kt_packed = amx ? buffer<E>(w.keep, kFwdKeys * dp) : nullptr;

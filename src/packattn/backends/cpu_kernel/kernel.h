@@ -185,13 +185,33 @@ void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h,
   std::fill(dst + n * ld, dst + npad * ld, U(0));
 }
 
-// The same rows transposed: a [width_pad, npad] tile, columns from n on and rows from width on zero.
+// [rows, cols] (ld_src) -> [cols, rows] (ld_dst) in blocks of ATen's vectorized transposes.
+template <typename E>
+void transpose(const E* src, int64_t rows, int64_t cols, int64_t ld_src, E* dst, int64_t ld_dst) {
+  constexpr int64_t kB = std::is_same_v<E, float> ? 16 : 32;
+  for (int64_t r = 0; r < rows; r += kB) {
+    for (int64_t c = 0; c < cols; c += kB) {
+      at::vec::transpose_mxn<E>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst,
+                                (int)std::min(kB, rows - r), (int)std::min(kB, cols - c));
+    }
+  }
+}
+
+// The same rows transposed: a [width_pad, npad] tile, columns from n on and rows from width on zero. Read
+// straight from the tensor when it already holds U with unit last stride, else through `scratch` ([n, width]).
 template <typename T, typename U>
 void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t width_pad,
-                 U* dst) {
-  for (int64_t r = 0; r < n; ++r) {
-    const T* src = x.at(t0 + r, h);
-    for (int64_t c = 0; c < width; ++c) dst[c * npad + r] = static_cast<U>(src[c * x.s2]);
+                 U* dst, U* scratch) {
+  if constexpr (std::is_same_v<T, U>) {
+    if (x.s2 == 1 && x.s0 >= width) {
+      transpose(x.at(t0, h), n, width, x.s0, dst, npad);
+    } else {
+      load_tile(x, t0, n, n, h, width, width, scratch);
+      transpose(scratch, n, width, width, dst, npad);
+    }
+  } else {
+    load_tile(x, t0, n, n, h, width, width, scratch);
+    transpose(scratch, n, width, width, dst, npad);
   }
   for (int64_t c = 0; c < width; ++c) std::fill(dst + c * npad + n, dst + (c + 1) * npad, U(0));
   std::fill(dst + width * npad, dst + width_pad * npad, U(0));
@@ -212,12 +232,6 @@ void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t 
   std::fill(dst + g * bq * ld, dst + pad16(g * bq) * ld, U(0));
 }
 
-template <typename E>
-void transpose(const E* src, int64_t rows, int64_t cols, E* dst) {  // [rows, cols] -> [cols, rows]
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
-  }
-}
 
 // Products: row-major C[M, N] (+)= A[M, K] @ B[K, N] on ATen's batch-reduce GEMM, with A and B fp32 tiles, or
 // bf16 tiles on the matrix units (AMX). B is prepared once and reused: fp32 as it is; bf16 packed to VNNI
