@@ -62,13 +62,20 @@ def _first_error_line(text: str) -> str:
     return (lines[-1] if lines else "unknown error")[:300]
 
 
-def _missing_tool() -> str | None:
-    from torch.utils import cpp_extension
+def _ninja_dir() -> str | None:
+    """Where the ``ninja`` package put its binary, for a virtual environment that is not activated."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return getattr(ninja, "BIN_DIR", None)
 
+
+def _missing_tool() -> str | None:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"no C++ compiler: {cxx!r} is not on PATH (install g++ or clang++, or set CXX)"
-    if not cpp_extension.is_ninja_available():
+    if shutil.which("ninja") is None:
         return "ninja is not installed (pip install ninja), which torch.utils.cpp_extension needs"
     return None
 
@@ -95,6 +102,9 @@ def load(verbose: bool = False) -> ModuleType:
 def _build(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
+    ninja_dir = _ninja_dir()
+    if shutil.which("ninja") is None and ninja_dir:  # cpp_extension runs `ninja` from PATH
+        os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
     missing = _missing_tool()
     if missing:
         raise RuntimeError(missing)
