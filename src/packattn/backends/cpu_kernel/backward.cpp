@@ -131,9 +131,9 @@ void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
   for (int64_t j0 = lo; j0 < hi; j0 += kBwdKeys) {
     const int64_t bk = std::min(hi, j0 + kBwdKeys) - j0, kp = pad16(bk);
     const auto [kt, vt] = load_keys_t(w, a, s, j0, bk, it.h);
-    load_tile(a.k, s.k0 + j0, bk, kp, it.h, sh.d, dp, w.k);
+    const BOperand kb = tile_operand(a.k, s.k0 + j0, bk, kp, it.h, sh.d, dp, w.k, w.k_packed);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, kt, vt);
-    mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, prepare_b(w.k, kp, dp, dp, w.k_packed), dq, dp, true);
+    mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kb, dq, dp, true);
   }
   for (int64_t gi = 0; gi < sh.g; ++gi) {
     float* dst = a.dq + ((s.q0 + i0) * a.hq + it.h * sh.g + gi) * sh.d;

@@ -60,8 +60,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
         at::vec::map([a](Vec x) { return x * a; }, w.acc + r * ldo, w.acc + r * ldo, dv);
       }
     }
-    load_tile(v, s.k0 + j0, bk, kp, it.h, dv, ldo, w.v);
-    const BOperand vb = prepare_b(w.v, kp, ldo, ldo, w.v_packed);
+    const BOperand vb = tile_operand(v, s.k0 + j0, bk, kp, it.h, dv, ldo, w.v, w.v_packed);
     mm(mp, ldo, kp, as_tile(w.s, mp * kp, w.p), kp, vb, w.acc, ldo, true);
   }
   for (int64_t r = 0; r < rows; ++r) {

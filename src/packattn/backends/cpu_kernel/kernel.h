@@ -268,6 +268,18 @@ inline void mm(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t l
   }
 }
 
+// Rows [t0, t0 + n) of head h as a B operand [npad, ld]: prepared straight from the tensor when it holds E
+// with unit last stride and needs no padding, else loaded (converted, zero-padded) into buf first.
+template <typename E, typename T>
+BOperand tile_operand(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t ld,
+                      E* buf, E* packed) {
+  if constexpr (std::is_same_v<T, E>) {
+    if (x.s2 == 1 && x.s0 >= width && n == npad && width == ld) return prepare_b(x.at(t0, h), npad, ld, x.s0, packed);
+  }
+  load_tile(x, t0, n, npad, h, width, ld, buf);
+  return prepare_b(buf, npad, ld, ld, packed);
+}
+
 // Whether tiles of this dtype run in bf16 on the matrix units (else as fp32 tiles).
 inline bool use_amx(at::ScalarType dtype) {
   return dtype == at::kBFloat16 && at::native::cpublas::could_pack(dtype);
