@@ -55,10 +55,14 @@ def _module_name() -> str:
 
 
 def _first_error_line(text: str) -> str:
+    """The compiler's first ``error:`` line, else the first line that looks like an error, else the last."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in lines:
-        if re.search(r"error|not found|no such file", line, re.IGNORECASE) and not line.startswith("Error building"):
-            return line[:300]
+    for pattern in (r"\berror:", r"error|not found|no such file"):
+        for line in lines:
+            if line.startswith(("[", "FAILED:", "Error building")):  # ninja's progress, its summary
+                continue
+            if re.search(pattern, line, re.IGNORECASE):
+                return line[:300]
     return (lines[-1] if lines else "unknown error")[:300]
 
 
