@@ -114,10 +114,13 @@ def backend_reasons(name: str, case: Case, return_lse: bool, **mask: object) -> 
 _SMALL = make_case([3, 0, 2], [2, 4, 0], hq=2, hkv=1, d=8)
 
 
-def supported(name: str, *, return_lse: bool = False, **mask: object) -> bool:
-    """Whether backend ``name`` is available and runs these options on a small case on the test device,
-    so the backend tests cover exactly the backends this device can run (CI: CPU)."""
-    return not dispatch.reasons(dispatch.BACKENDS[name], case_inputs(_SMALL, return_lse, **mask))
+def supported(name: str, *, return_lse: bool = False, dtype: torch.dtype = torch.float32, **mask: object) -> bool:
+    """Whether backend ``name`` is available and runs these options on a small case of ``dtype`` on the test
+    device, so the backend tests cover exactly the backends this device can run (CI: CPU)."""
+    case = _SMALL
+    if dtype != case.q.dtype:
+        case = Case(case.q.to(dtype), case.k.to(dtype), case.v.to(dtype), case.cu_q, case.cu_k)
+    return not dispatch.reasons(dispatch.BACKENDS[name], case_inputs(case, return_lse, **mask))
 
 
 # The backends the test device can run (on CPU: cpu, reference, sdpa, and triton under its interpreter).

@@ -90,8 +90,17 @@ def test_backends_refuse_masks_they_cannot_run_with_their_reasons():
         assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal", "window", "softcap"))
-@pytest.mark.parametrize("dtype", DTYPES)
+def dtype_pairs(dtypes: list[str], *masks: str) -> list[object]:
+    """``(backend, mask, dtype)`` parameters where the backend runs the mask in that dtype."""
+    return [
+        pytest.param(*p.values, dt, id=f"{dt}-{p.id}")
+        for dt in dtypes
+        for p in pairs(*masks)
+        if supported(p.values[0], dtype=DTYPES[dt], **MASKS[p.values[1]])
+    ]
+
+
+@pytest.mark.parametrize(("backend", "mask", "dtype"), dtype_pairs(list(DTYPES), "full", "causal", "window", "softcap"))
 def test_dtypes(backend, mask, dtype):
     case = make_case([37, 0, 64, 64, 530], [50, 9, 64, 64, 600], hq=4, hkv=1, d=64, dtype=DTYPES[dtype], seed=3)
     check_forward(backend, case, **MASKS[mask])
@@ -191,7 +200,7 @@ def test_backward_matches_oracle(backend, mask, dtype):
     check_backward(backend, case, **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])  # the backends with an LSE
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_kernel"])  # the backends with an LSE
 @pytest.mark.parametrize("mask", ["full", "causal"])
 def test_backward_without_return_lse(backend, mask):
     """Gradients need the LSE even when the caller does not ask for it (the cpu backend skips it otherwise)."""
@@ -219,7 +228,10 @@ def test_backward_across_tiles(backend, mask, monkeypatch):
     check_backward(backend, case, **MASKS[mask])
 
 
-@pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal", "window", "softcap"))
+@pytest.mark.parametrize(
+    ("backend", "mask"),
+    [pytest.param(*p.values[:2], id=p.id[5:]) for p in dtype_pairs(["fp64"], "full", "causal", "window", "softcap")],
+)
 @pytest.mark.parametrize("dv", [4, 3], ids=["dv_eq_d", "dv_ne_d"])
 def test_gradcheck_float64(backend, mask, dv):
     case = make_case(
@@ -253,7 +265,7 @@ def _peak_extra_mib(run, length: int) -> float:
     return peak_extra_mib(lambda: run(case, cu_q, cu_k), length * 4 * 32 * 4)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_kernel"])
 def test_memory_grows_linearly_without_score_matrices(backend):
     """Peak memory beyond the output, for one long sequence: no (L, L) score matrix, linear growth."""
     peaks = {

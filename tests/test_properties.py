@@ -76,7 +76,7 @@ def test_random_layouts_match_oracle(layout):
     assert out.shape == ref_out.shape and out.dtype == torch.float32 and out.is_contiguous()
     assert_close_to_oracle(out, ref_out, pt_out, name="default dispatch out")
 
-    for backend in (None, "reference"):
+    for backend in (None, "cpu", "reference"):  # None: the first on the device (cpu_kernel when built)
         out, lse = packattn.varlen_attention(
             case.q, case.k, case.v, cu_q, cu_k, return_lse=True, backend=backend, **mask
         )

@@ -1,9 +1,10 @@
-"""The ``packattn`` command: ``info`` lists backends, ``bench`` runs the benchmark suite."""
+"""The ``packattn`` command: ``info`` lists backends, ``build`` compiles the CPU kernel, ``bench`` benchmarks."""
 
 from __future__ import annotations
 
 import argparse
 import platform
+import time
 
 import torch
 
@@ -17,6 +18,21 @@ def _info() -> int:
     for b in info():
         state = "available" if b.available else f"unavailable: {b.reason}"
         print(f"  {b.name:<{width}}  {state}")
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from .backends.cpu_kernel import build
+
+    start = time.perf_counter()
+    try:
+        module = build.load(verbose=args.verbose)
+    except RuntimeError as exc:
+        print(f"cpu_kernel: {exc}")
+        return 1
+    units = "bf16 on AMX, fp16 as fp32 tiles" if module.matrix_units() else "bf16 and fp16 as fp32 tiles"
+    print(f"cpu_kernel: ready in {time.perf_counter() - start:.1f} s ({build.capability()}; {units})")
+    print(f"  cached in {build.build_dir()}")
     return 0
 
 
@@ -60,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="packattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="list backends and why any cannot run here")
+    c = sub.add_parser("build", help="compile packattn's C++ CPU kernel now (otherwise on first use)")
+    c.add_argument("--verbose", action="store_true", help="show the compiler's output")
     b = sub.add_parser("bench", help="check packattn and its peers against the float64 oracle, then time them")
     b.add_argument("--quick", action="store_true", help="smaller workloads, shorter timing, no compiled flex")
     b.add_argument("--workloads", help="comma-separated subset, e.g. W1,W3")
@@ -79,4 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "build":
+        return _build(args)
     return _bench(args)

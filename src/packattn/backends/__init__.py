@@ -6,12 +6,12 @@ dispatch tries them for tensors of each device type (the first that supports the
 outside a device's list runs there only when asked for by name (``backend="..."``).
 """
 
-from . import cpu, flash_attn, npu, reference, sdpa, torch_varlen, triton
+from . import cpu, cpu_kernel, flash_attn, npu, reference, sdpa, torch_varlen, triton
 
-ALL = (cpu, npu, flash_attn, torch_varlen, triton, sdpa, reference)
+ALL = (cpu_kernel, cpu, npu, flash_attn, torch_varlen, triton, sdpa, reference)
 
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "cpu": ("cpu", "sdpa", "reference"),
+    "cpu": ("cpu_kernel", "cpu", "sdpa", "reference"),
     "cuda": ("flash_attn", "torch_varlen", "triton", "sdpa", "reference"),
     "npu": ("npu", "reference"),
 }

@@ -1,0 +1,74 @@
+"""packattn's own compiled CPU kernel (``kernel.cpp`` beside this file), forward and backward.
+
+One call of the kernel runs the whole packed batch: work items of (sequence, KV head, block of query rows)
+balanced between threads by visible (query, key) pairs; the G query heads of a KV head share each K/V tile;
+tiles that the mask hides are skipped; the softmax is online (no ``(L, L)`` scores) in fp32. The backward
+recomputes the probabilities from the LSE (flash-attention 2) with dK/dV per key block and dQ per query
+block, so every gradient element has one writer: the same bits at any thread count.
+
+Supports fp32, bf16 and fp16 with every mask option (causal, windows, softcap), GQA/MQA, ``Dv != D``,
+empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths. Compiled on first use
+(see :mod:`.build`, or ``packattn build`` ahead of time); when it cannot be built, ``unavailable_reason``
+says why and dispatch moves on to the ``cpu`` backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...inputs import AttentionInputs
+from . import build
+
+NAME = "cpu_kernel"
+NATIVE_AUTOGRAD = False
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unavailable_reason() -> str | None:
+    try:
+        build.load()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def supports(inp: AttentionInputs) -> list[str]:
+    why = []
+    if inp.q.device.type != "cpu":
+        why.append(f"runs on CPU tensors only, got {inp.q.device}")
+    if inp.q.dtype not in DTYPES:
+        why.append(f"computes in fp32, bf16 or fp16, got {inp.q.dtype} (float64 runs on the cpu backend)")
+    return why
+
+
+def _offsets(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(inp.layout.host_q, dtype=torch.int64), torch.tensor(inp.layout.host_k, dtype=torch.int64)
+
+
+def _mask_args(inp: AttentionInputs) -> tuple[float, float, int, int]:
+    m = inp.mask
+    return m.scale, m.softcap, m.left, m.right
+
+
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Out ``(Tq, Hq, Dv)`` and, when ``inp.return_lse``, the LSE ``(Hq, Tq)`` float32 (else None)."""
+    out, lse = build.load().forward(inp.q, inp.k, inp.v, *_offsets(inp), *_mask_args(inp), inp.return_lse)
+    return out, (lse if inp.return_lse else None)
+
+
+def backward(
+    inp: AttentionInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``q, k, v`` in their dtype, through ``out`` and (when given) the LSE."""
+    # d(score) = p * (dP - delta) with delta = rowsum(dout * out) - dlse, one (Hq, Tq) float32 row per head.
+    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    dq, dk, dv = build.load().backward(
+        inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta.contiguous(), *_offsets(inp), *_mask_args(inp)
+    )
+    return dq.to(inp.q.dtype), dk.to(inp.k.dtype), dv.to(inp.v.dtype)

@@ -1,0 +1,204 @@
+// Backward, flash-attention 2 style: the probabilities are recomputed from the LSE, tile by tile, in fp32.
+// dK and dV come from one item per (sequence, KV head, key block) that loops over the query rows seeing it;
+// dQ from one item per (sequence, KV head, query block) that loops over the keys it sees. Each gradient
+// element has one writer, so no reduction across threads.
+#include "kernel.h"
+
+namespace packattn_kernel {
+namespace {
+
+constexpr int64_t kBwdRows = 64;   // target G x block_q rows
+constexpr int64_t kBwdKeys = 128;  // keys per tile
+
+template <typename E>  // tile element: float, or BFloat16 on the matrix units
+struct BwdWork {
+  std::vector<at::Tensor> keep;
+  float *lse, *delta, *s, *ds, *tanh, *acc, *acc2;
+  E *q, *dout, *kt, *vt, *k, *half, *st, *scratch;        // tiles
+  E *q_packed, *dout_packed, *kt_packed, *vt_packed, *k_packed;  // their VNNI forms (bf16 only)
+};
+
+template <typename T>
+struct BwdArgs {
+  const std::vector<Seq>& seqs;
+  Mask mask;
+  Shape sh;
+  Rows<T> q, k, v, dout;
+  const float *lse, *delta;
+  float *dq, *dk, *dv;
+  int64_t tq, hq, block_q;
+};
+
+// Rows [i0, i0 + bq) (x G heads) of s are in w.q, w.dout, w.lse, w.delta; keys [j0, j0 + bk) in kt, vt
+// (K^T and V^T). Leaves P in w.s and dS (the gradient of the raw scores q.k) in w.ds, both [pad16(rows),
+// pad16(bk)] with zeros wherever a pair is hidden or padding.
+template <typename E>
+void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, int64_t i0, int64_t bq, int64_t j0,
+               int64_t bk, BOperand kt, BOperand vt) {
+  const int64_t rows = sh.g * bq, mp = pad16(rows), kp = pad16(bk);
+  const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
+  mm(mp, kp, dp, w.q, dp, kt, w.s, kp, false);
+  mm(mp, kp, dvp, w.dout, dvp, vt, w.ds, kp, false);
+  const bool full = tile_fully_visible(mask, s, i0, i0 + bq, j0, j0 + bk);
+  const bool capped = mask.softcap > 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float *p = w.s + r * kp, *ds = w.ds + r * kp, *t = w.tanh;
+    auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
+    if (c1 <= c0 || w.lse[r] == kNegInf) {
+      c0 = c1 = 0;
+    } else {
+      transform_scores(p + c0, c1 - c0, mask, capped ? t : nullptr);
+    }
+    const Vec lse(w.lse[r]), delta(w.delta[r]), scale(mask.scale), one(1.f);
+    for (int64_t c = c0; c < c1; c += kVec) {
+      const int64_t cnt = std::min(kVec, c1 - c);
+      const Vec pv = (Vec::loadu(p + c, cnt) - lse).exp_u20();
+      Vec dsv = pv * (Vec::loadu(ds + c, cnt) - delta) * scale;
+      if (capped) {
+        const Vec tv = Vec::loadu(t + (c - c0), cnt);
+        dsv = dsv * (one - tv * tv);
+      }
+      pv.store(p + c, cnt);
+      dsv.store(ds + c, cnt);
+    }
+    zero_outside(p, c0, c1, kp);
+    zero_outside(ds, c0, c1, kp);
+  }
+}
+
+template <typename E, typename T>
+void load_query_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t i0, int64_t bq, int64_t h) {
+  const Shape& sh = a.sh;
+  load_group(a.q, s, i0, bq, h, sh.g, sh.d, tile_width<E>(sh.d), w.q);
+  load_group(a.dout, s, i0, bq, h, sh.g, sh.dv, tile_width<E>(sh.dv), w.dout);
+  for (int64_t gi = 0; gi < sh.g; ++gi) {
+    for (int64_t ii = 0; ii < bq; ++ii) {
+      const int64_t idx = (h * sh.g + gi) * a.tq + s.q0 + i0 + ii;
+      w.lse[gi * bq + ii] = a.lse[idx];
+      w.delta[gi * bq + ii] = a.delta[idx];
+    }
+  }
+}
+
+// K^T and V^T of keys [j0, j0 + bk), prepared as B operands.
+template <typename E, typename T>
+std::pair<BOperand, BOperand> load_keys_t(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t j0, int64_t bk,
+                                          int64_t h) {
+  const int64_t kp = pad16(bk), dp = tile_width<E>(a.sh.d), dvp = tile_width<E>(a.sh.dv);
+  load_tile_t(a.k, s.k0 + j0, bk, kp, h, a.sh.d, dp, w.kt, w.scratch);
+  load_tile_t(a.v, s.k0 + j0, bk, kp, h, a.sh.dv, dvp, w.vt, w.scratch);
+  return {prepare_b(w.kt, dp, kp, kp, w.kt_packed), prepare_b(w.vt, dvp, kp, kp, w.vt_packed)};
+}
+
+void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, float* dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < n; ++r) std::copy(src + r * ld_src, src + r * ld_src + width, dst + r * ld_dst);
+}
+
+template <typename E, typename T>
+void dkdv_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
+  const Seq& s = a.seqs[it.b];
+  const Shape& sh = a.sh;
+  const int64_t j0 = it.r0, bk = it.r1 - it.r0, kp = pad16(bk);
+  const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
+  const auto [kt, vt] = load_keys_t(w, a, s, j0, bk, it.h);
+  float *dk = w.acc, *dv = w.acc2;
+  std::fill(dk, dk + kp * dp, 0.f);
+  std::fill(dv, dv + kp * dvp, 0.f);
+  const int64_t last = a.mask.last_row(s, it.r1);
+  for (int64_t i0 = a.mask.first_row(s, j0); i0 < last; i0 += a.block_q) {
+    const int64_t bq = std::min(last, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
+    load_query_side(w, a, s, i0, bq, it.h);
+    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, kt, vt);
+    transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp);  // P^T
+    mm(kp, dvp, mp, w.st, mp, prepare_b(w.dout, mp, dvp, dvp, w.dout_packed), dv, dvp, true);
+    transpose(as_tile(w.ds, mp * kp, w.half), mp, kp, kp, w.st, mp);  // dS^T
+    mm(kp, dp, mp, w.st, mp, prepare_b(w.q, mp, dp, dp, w.q_packed), dk, dp, true);
+  }
+  const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + it.h;
+  store_rows(dk, bk, sh.d, dp, a.dk + row0 * sh.d, hkv * sh.d);
+  store_rows(dv, bk, sh.dv, dvp, a.dv + row0 * sh.dv, hkv * sh.dv);
+}
+
+template <typename E, typename T>
+void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
+  const Seq& s = a.seqs[it.b];
+  const Shape& sh = a.sh;
+  const int64_t i0 = it.r0, bq = it.r1 - it.r0, mp = pad16(sh.g * bq), dp = tile_width<E>(sh.d);
+  load_query_side(w, a, s, i0, bq, it.h);
+  float* dq = w.acc;
+  std::fill(dq, dq + mp * dp, 0.f);
+  const int64_t lo = a.mask.lo(s, i0), hi = a.mask.hi(s, it.r1 - 1);
+  for (int64_t j0 = lo; j0 < hi; j0 += kBwdKeys) {
+    const int64_t bk = std::min(hi, j0 + kBwdKeys) - j0, kp = pad16(bk);
+    const auto [kt, vt] = load_keys_t(w, a, s, j0, bk, it.h);
+    const BOperand kb = tile_operand(a.k, s.k0 + j0, bk, kp, it.h, sh.d, dp, w.k, w.k_packed);
+    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, kt, vt);
+    mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kb, dq, dp, true);
+  }
+  for (int64_t gi = 0; gi < sh.g; ++gi) {
+    float* dst = a.dq + ((s.q0 + i0) * a.hq + it.h * sh.g + gi) * sh.d;
+    store_rows(dq + gi * bq * dp, bq, sh.d, dp, dst, a.hq * sh.d);
+  }
+}
+
+template <typename E, typename T>
+void run_backward(const BwdArgs<T>& a) {
+  const Shape& sh = a.sh;
+  const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
+  const bool amx = !std::is_same_v<E, float>;
+  auto make = [&] {
+    BwdWork<E> w;
+    w.lse = buffer(w.keep, mp);
+    w.delta = buffer(w.keep, mp);
+    w.s = buffer(w.keep, mp * kBwdKeys);
+    w.ds = buffer(w.keep, mp * kBwdKeys);
+    w.tanh = buffer(w.keep, kBwdKeys);
+    w.acc = buffer(w.keep, std::max(mp, kBwdKeys) * dp);
+    w.acc2 = buffer(w.keep, kBwdKeys * dvp);
+    w.q = buffer<E>(w.keep, mp * dp);
+    w.dout = buffer<E>(w.keep, mp * dvp);
+    w.kt = buffer<E>(w.keep, kBwdKeys * dp);
+    w.vt = buffer<E>(w.keep, kBwdKeys * dvp);
+    w.k = buffer<E>(w.keep, kBwdKeys * dp);
+    w.scratch = buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp));
+    w.st = buffer<E>(w.keep, mp * kBwdKeys);
+    w.half = amx ? buffer<E>(w.keep, mp * kBwdKeys) : nullptr;
+    w.q_packed = amx ? buffer<E>(w.keep, mp * dp) : nullptr;
+    w.dout_packed = amx ? buffer<E>(w.keep, mp * dvp) : nullptr;
+    w.kt_packed = amx ? buffer<E>(w.keep, kBwdKeys * dp) : nullptr;
+    w.vt_packed = amx ? buffer<E>(w.keep, kBwdKeys * dvp) : nullptr;
+    w.k_packed = amx ? buffer<E>(w.keep, kBwdKeys * dp) : nullptr;
+    return w;
+  };
+  run_plan(make_plan(a.seqs, a.mask, sh, kBwdKeys, true), amx, make,
+           [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); });
+  run_plan(make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
+           [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& lse,
+    const at::Tensor& delta, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, double softcap,
+    int64_t left, int64_t right) {
+  const int64_t tq = q.size(0), hq = q.size(1), tk = k.size(0), hkv = k.size(1);
+  const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
+  const Mask mask{(float)scale, (float)softcap, left, right};
+  const auto seqs = sequences(cu_q, cu_k);
+  const auto f32 = q.options().dtype(at::kFloat);
+  auto dq = at::empty({tq, hq, sh.d}, f32), dk = at::empty({tk, hkv, sh.d}, f32), dv = at::empty({tk, hkv, sh.dv}, f32);
+  const int64_t block_q = std::max<int64_t>(1, kBwdRows / sh.g);
+  PACKATTN_DISPATCH(q.scalar_type(), "packattn_backward", [&] {
+    const BwdArgs<scalar_t> a{seqs, mask, sh, rows_of<scalar_t>(q), rows_of<scalar_t>(k), rows_of<scalar_t>(v),
+                              rows_of<scalar_t>(dout), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                              dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), tq, hq, block_q};
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (use_amx(q.scalar_type())) return run_backward<at::BFloat16>(a);
+    }
+    run_backward<float>(a);
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace packattn_kernel

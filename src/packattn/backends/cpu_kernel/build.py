@@ -1,0 +1,136 @@
+"""Compile the kernel (``kernel.h``, ``forward.cpp``, ``backward.cpp``, ``module.cpp``) on first use with
+``torch.utils.cpp_extension.load`` and cache the result.
+
+The cache holds one build per torch version, CPU capability (ATen's, e.g. ``AVX512``, ``AVX2``; the
+``ATEN_CPU_CAPABILITY`` variable lowers it) and source: ``$PACKATTN_CACHE_DIR``, else
+``$XDG_CACHE_HOME/packattn`` or ``~/.cache/packattn``. The vectorized parts are compiled for that capability
+(ATen's ``Vectorized``); the matrix products call ATen's own GEMMs, which pick their instructions at run time.
+No isolated build and no downloads: the system C++ compiler, ninja and the installed torch headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / name for name in ("forward.cpp", "backward.cpp", "module.cpp")]
+HEADERS = [HERE / "kernel.h"]
+
+# Flags per ATen CPU capability: the ones ATen's own kernels of that capability are compiled with.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+_state: dict[str, object] = {}  # "module" or "error" once a load was attempted in this process
+
+
+def capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _ISA_FLAGS else "DEFAULT"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PACKATTN_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packattn"
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
+    return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}"
+
+
+def _module_name() -> str:
+    return f"packattn_cpu_kernel_{capability().lower()}"
+
+
+def _first_error_line(text: str) -> str:
+    """The compiler's first ``error:`` line, else the first line that looks like an error, else the last."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for pattern in (r"\berror:", r"error|not found|no such file"):
+        for line in lines:
+            if line.startswith(("[", "FAILED:", "Error building")):  # ninja's progress, its summary
+                continue
+            if re.search(pattern, line, re.IGNORECASE):
+                return line[:300]
+    return (lines[-1] if lines else "unknown error")[:300]
+
+
+def _ninja_dir() -> str | None:
+    """Where the ``ninja`` package put its binary, for a virtual environment that is not activated."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return getattr(ninja, "BIN_DIR", None)
+
+
+def _missing_tool() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: {cxx!r} is not on PATH (install g++ or clang++, or set CXX)"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja), which torch.utils.cpp_extension needs"
+    return None
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """The compiled module, building it first if this torch/capability/source has no cached build.
+
+    Raises ``RuntimeError`` with a one-line reason when the build cannot run or fails; the reason is
+    remembered for the process, so a failed build is tried once.
+    """
+    if "module" in _state:
+        return _state["module"]  # type: ignore[return-value]
+    if "error" in _state:
+        raise RuntimeError(_state["error"])
+    try:
+        module = _build(verbose)
+    except Exception as exc:  # a build can fail in many ways; the reason is kept and reported
+        _state["error"] = str(exc)
+        raise RuntimeError(str(exc)) from None
+    _state["module"] = module
+    return module
+
+
+def _build(verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    ninja_dir = _ninja_dir()
+    if shutil.which("ninja") is None and ninja_dir:  # cpp_extension runs `ninja` from PATH
+        os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
+    missing = _missing_tool()
+    if missing:
+        raise RuntimeError(missing)
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    name = _module_name()
+    fresh = not (where / f"{name}.so").exists()
+    if fresh:
+        print(f"packattn: compiling the C++ CPU kernel into {where} (once per torch version and CPU)", file=sys.stderr)
+    cap = capability()
+    flags = ["-O3", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
+    try:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=flags,
+            build_directory=str(where),
+            verbose=verbose,
+        )
+    except Exception as exc:
+        raise RuntimeError(
+            f"the C++ kernel did not build: {_first_error_line(str(exc))}; see {where} "
+            "(rerun `packattn build --verbose` for the full log)"
+        ) from None
+    return module

@@ -1,0 +1,127 @@
+// Forward: one item is one block of query rows (x the G query heads of a KV head) against the key tiles
+// its rows see, with an online softmax in fp32 (no score matrix beyond one tile).
+#include "kernel.h"
+
+namespace packattn_kernel {
+namespace {
+
+constexpr int64_t kFwdRows = 128;  // target G x block_q rows of one forward item
+constexpr int64_t kFwdKeys = 256;  // keys per score tile
+
+template <typename E>  // tile element: float, or BFloat16 on the matrix units
+struct FwdWork {
+  std::vector<at::Tensor> keep;
+  float *s, *acc, *m, *l;
+  E *q, *kt, *v, *p, *kt_packed, *v_packed, *scratch;
+};
+
+// Online softmax of one score row over its visible columns [c0, c1): turns them into exp(s - m_new),
+// zeroes the rest of the padded row, updates the running max m and sum l; returns the factor by which the
+// row's accumulator must be rescaled.
+inline float softmax_row(float* row, int64_t c0, int64_t c1, int64_t width, const Mask& mask, float& m, float& l) {
+  if (c1 <= c0) {
+    std::fill(row, row + width, 0.f);
+    return 1.f;
+  }
+  transform_scores(row + c0, c1 - c0, mask, nullptr);
+  const float mx = at::vec::reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, row + c0, c1 - c0);
+  const float m_new = std::max(m, mx);
+  const Vec shift(m_new);
+  at::vec::map([shift](Vec x) { return (x - shift).exp_u20(); }, row + c0, row + c0, c1 - c0);
+  const float sum = at::vec::reduce_all<float>([](Vec a, Vec b) { return a + b; }, row + c0, c1 - c0);
+  zero_outside(row, c0, c1, width);
+  const float alpha = std::exp(m - m_new);  // 0 when m was -inf
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
+template <typename E, typename T>
+void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh,
+                  const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, T* out, float* lse, int64_t hq, int64_t tq) {
+  const Seq& s = seqs[it.b];
+  const int64_t i0 = it.r0, i1 = it.r1, bq = i1 - i0, rows = sh.g * bq, mp = pad16(rows), d = sh.d, dv = sh.dv;
+  const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv);
+  load_group(q, s, i0, bq, it.h, sh.g, d, dp, w.q);
+  std::fill(w.m, w.m + rows, kNegInf);
+  std::fill(w.l, w.l + rows, 0.f);
+  std::fill(w.acc, w.acc + mp * ldo, 0.f);
+  const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
+  for (int64_t j0 = lo; j0 < hi; j0 += kFwdKeys) {
+    const int64_t j1 = std::min(hi, j0 + kFwdKeys), bk = j1 - j0, kp = pad16(bk);
+    load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, dp, w.kt, w.scratch);
+    mm(mp, kp, dp, w.q, dp, prepare_b(w.kt, dp, kp, kp, w.kt_packed), w.s, kp, false);
+    const bool full = tile_fully_visible(mask, s, i0, i1, j0, j1);
+    for (int64_t r = 0; r < rows; ++r) {
+      auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
+      const float alpha = softmax_row(w.s + r * kp, c0, c1, kp, mask, w.m[r], w.l[r]);
+      if (alpha != 1.f) {
+        const Vec a(alpha);
+        at::vec::map([a](Vec x) { return x * a; }, w.acc + r * ldo, w.acc + r * ldo, dv);
+      }
+    }
+    const BOperand vb = tile_operand(v, s.k0 + j0, bk, kp, it.h, dv, ldo, w.v, w.v_packed);
+    mm(mp, ldo, kp, as_tile(w.s, mp * kp, w.p), kp, vb, w.acc, ldo, true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = s.q0 + i0 + r % bq, head = it.h * sh.g + r / bq;
+    float* acc = w.acc + r * ldo;
+    const bool seen = w.l[r] > 0.f;
+    const Vec inv(seen ? 1.f / w.l[r] : 0.f);
+    at::vec::map([inv](Vec x) { return x * inv; }, acc, acc, dv);
+    at::vec::convert(acc, out + (t * hq + head) * dv, dv);
+    if (lse) lse[head * tq + t] = seen ? w.m[r] + std::log(w.l[r]) : kNegInf;
+  }
+}
+
+template <typename E, typename T>
+void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t mp,
+                 const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float* lse) {
+  const auto qr = rows_of<T>(q), kr = rows_of<T>(k), vr = rows_of<T>(v);
+  T* o = out.data_ptr<T>();
+  const int64_t hq = q.size(1), tq = q.size(0), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
+  const bool amx = !std::is_same_v<E, float>;
+  auto make = [&] {
+    FwdWork<E> w;
+    w.s = buffer(w.keep, mp * kFwdKeys);
+    w.acc = buffer(w.keep, mp * ldo);
+    w.m = buffer(w.keep, mp);
+    w.l = buffer(w.keep, mp);
+    w.q = buffer<E>(w.keep, mp * dp);
+    w.kt = buffer<E>(w.keep, kFwdKeys * dp);
+    w.scratch = buffer<E>(w.keep, kFwdKeys * dp);
+    w.v = buffer<E>(w.keep, kFwdKeys * ldo);
+    w.p = amx ? buffer<E>(w.keep, mp * kFwdKeys) : nullptr;
+    w.kt_packed = amx ? buffer<E>(w.keep, kFwdKeys * dp) : nullptr;
+    w.v_packed = amx ? buffer<E>(w.keep, kFwdKeys * ldo) : nullptr;
+    return w;
+  };
+  run_plan(plan, amx, make, [&](const Item& it, FwdWork<E>& w) {
+    forward_item(it, w, seqs, mask, sh, qr, kr, vr, o, lse, hq, tq);
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
+                                                     double softcap, int64_t left, int64_t right, bool with_lse) {
+  const int64_t tq = q.size(0), hq = q.size(1), hkv = k.size(1);
+  const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
+  const Mask mask{(float)scale, (float)softcap, left, right};
+  const auto seqs = sequences(cu_q, cu_k);
+  auto out = at::empty({tq, hq, sh.dv}, q.options());
+  auto lse = with_lse ? at::empty({hq, tq}, q.options().dtype(at::kFloat)) : at::Tensor();
+  float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
+  const int64_t block_q = std::max<int64_t>(1, kFwdRows / sh.g), mp = pad16(sh.g * block_q);
+  const Plan plan = make_plan(seqs, mask, sh, block_q, false);
+  PACKATTN_DISPATCH(q.scalar_type(), "packattn_forward", [&] {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (use_amx(q.scalar_type())) return run_forward<at::BFloat16, scalar_t>(plan, seqs, mask, sh, mp, q, k, v, out, lse_p);
+    }
+    run_forward<float, scalar_t>(plan, seqs, mask, sh, mp, q, k, v, out, lse_p);
+  });
+  return {out, lse};
+}
+
+}  // namespace packattn_kernel

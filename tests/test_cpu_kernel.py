@@ -1,0 +1,235 @@
+"""packattn's compiled CPU kernel: tiles and items at their edges, thread-count determinism, the validation
+in front of it, and what happens when it cannot be built. (The generic backend tests in test_attention.py
+and elsewhere cover it too, through DEVICE_BACKENDS.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import packattn
+from packattn import dispatch
+from packattn.backends import cpu_kernel
+from packattn.backends.cpu_kernel import build
+
+from .helpers import DEVICE, case_inputs, check_backward, check_forward, make_case, restride
+from .test_properties import BOUNDED, layouts
+
+pytestmark = pytest.mark.skipif(
+    DEVICE.type != "cpu" or cpu_kernel.unavailable_reason() is not None,
+    reason=f"the cpu_kernel backend runs on CPU when built: {cpu_kernel.unavailable_reason()}",
+)
+
+MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (70, 33)},
+    "left_only": {"window_size": (5, -1)},
+    "right_band": {"window_size": (-1, 130)},
+    "softcap": {"softcap": 3.0, "causal": True},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Longer than a forward item (128 rows / G) and a key tile (256 forward, 128 backward), with Lq != Lk both
+# ways, lengths that are no multiple of 16, an empty side, and a sequence whose first rows see no key.
+LONG = ([300, 0, 1, 77, 520], [290, 5, 33, 0, 700])
+
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (5, 1)}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize(
+    ("heads", "dtype"), [("gqa", "fp32"), ("gqa", "bf16"), ("gqa", "fp16"), ("mha", "fp32"), ("mqa", "bf16")]
+)
+def test_forward_across_items_and_tiles(mask, heads, dtype):
+    hq, hkv = HEADS[heads]
+    case = make_case(*LONG, hq=hq, hkv=hkv, d=40, dv=24, dtype=DTYPES[dtype], seed=21)
+    check_forward("cpu_kernel", case, **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2)], ids=["mha", "gqa"])
+def test_backward_across_items_and_tiles_fp32(mask, heads):
+    lens_q, lens_k = [150, 0, 1, 40, 90], [140, 5, 17, 0, 200]
+    case = make_case(lens_q, lens_k, hq=heads[0], hkv=heads[1], d=24, dv=16, seed=22, requires_grad=True)
+    check_backward("cpu_kernel", case, **MASKS[mask])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_backward_low_precision_across_tiles(dtype):
+    case = make_case([150, 3], [140, 200], hq=4, hkv=2, d=32, dtype=DTYPES[dtype], seed=23, requires_grad=True)
+    check_backward("cpu_kernel", case, causal=True)
+
+
+@settings(BOUNDED, max_examples=30)
+@given(layouts())
+def test_random_layouts_backward_fp32(layout):
+    case = make_case(
+        layout.lens_q,
+        layout.lens_k,
+        hq=layout.hq,
+        hkv=layout.hkv,
+        d=layout.d,
+        dv=layout.dv,
+        seed=layout.seed,
+        requires_grad=True,
+    )
+    check_backward("cpu_kernel", case, **layout.mask)
+
+
+def test_strided_inputs_across_tiles():
+    case = make_case([300, 20], [280, 20], hq=4, hkv=2, d=32, seed=24)
+    for strides in ("heads_major", "last_dim_stride_2", "kv_broadcast"):
+        check_forward("cpu_kernel", restride(case, strides), window_size=(100, 20))
+
+
+def _run(case, mask, *, grads: bool) -> list[torch.Tensor]:
+    cu_q, cu_k = case.tensors()
+    out, lse = packattn.varlen_attention(
+        case.q, case.k, case.v, cu_q, cu_k, return_lse=True, backend="cpu_kernel", **mask
+    )
+    if not grads:
+        return [out, lse]
+    gen = torch.Generator().manual_seed(5)
+    dout, dlse = torch.randn(out.shape, generator=gen).to(out.dtype), torch.randn(lse.shape, generator=gen)
+    return [out, lse, *torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (case.q, case.k, case.v))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", ["full", "causal", "softcap"])
+def test_one_and_two_threads_give_the_same_bits(dtype, mask):
+    """Forward and backward: every output element has one writer and a fixed order of accumulation."""
+    lens = [700, 3, 64, 0, 200, 129]
+    case = make_case(lens, lens, hq=4, hkv=2, d=32, dtype=DTYPES[dtype], seed=25, requires_grad=True)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            results.append(_run(case, MASKS[mask], grads=True))
+    finally:
+        torch.set_num_threads(before)
+    for a, b, c in zip(*results):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_float64_is_refused_and_dispatch_moves_on():
+    case = make_case([5, 2], [4, 6], dtype=torch.float64)
+    assert "float64 runs on the cpu backend" in " ".join(cpu_kernel.supports(case_inputs(case)))
+    assert dispatch.select(case_inputs(case), None, "test").NAME == "cpu"
+    assert dispatch.select(case_inputs(make_case([5, 2], [4, 6])), None, "test").NAME == "cpu_kernel"
+
+
+class _Spy:
+    """Stands in for the compiled module and records whether anything reached it."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        self.calls += 1
+        return getattr(self.real, name)
+
+
+BAD_INPUTS = {
+    "k_dtype": ({"k": lambda c: c.k.half()}, TypeError),
+    "head_dims": ({"k": lambda c: c.k[..., :8], "q": lambda c: c.q[..., :6]}, ValueError),
+    "heads": ({"q": lambda c: c.q[:, :3]}, ValueError),
+    "offsets_end": ({"cu_q": lambda c: torch.tensor([0, 5, 6])}, ValueError),
+    "offsets_decrease": ({"cu_k": lambda c: torch.tensor([0, 7, 6, 12])}, ValueError),
+    "offsets_dtype": ({"cu_k": lambda c: torch.tensor([0.0, 4.0, 12.0])}, TypeError),
+    "window": ({"window_size": (-2, 0)}, ValueError),
+    "softcap": ({"softcap": float("nan")}, ValueError),
+    "float64": ({"all": lambda t: t.double()}, ValueError),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS)
+def test_bad_inputs_never_reach_the_kernel(bad, monkeypatch):
+    spy = _Spy(build.load())
+    monkeypatch.setitem(build._state, "module", spy)
+    case = make_case([5, 7], [4, 8], hq=4, hkv=2, d=16)
+    change, error = BAD_INPUTS[bad]
+    args = {"q": case.q, "k": case.k, "v": case.v, "cu_q": case.tensors()[0], "cu_k": case.tensors()[1]}
+    options = {}
+    for key, value in change.items():
+        if key == "all":
+            args.update({n: value(args[n]) for n in ("q", "k", "v")})
+        elif callable(value):
+            args[key] = value(case)
+        else:
+            options[key] = value
+    spy.calls = 0
+    with pytest.raises(error):
+        packattn.varlen_attention(
+            args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], backend="cpu_kernel", **options
+        )
+    assert spy.calls == 0
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    src = str(Path(packattn.__file__).parents[1])
+    full = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=full, check=False
+    )
+
+
+FALLBACK_CHECK = """
+import torch, packattn
+from packattn import dispatch
+from packattn.backends import cpu_kernel
+print("REASON", cpu_kernel.unavailable_reason())
+q = torch.randn(7, 2, 8); k = torch.randn(9, 2, 8); v = torch.randn(9, 2, 8)
+cu_q = torch.tensor([0, 3, 7]); cu_k = torch.tensor([0, 4, 9])
+out = packattn.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+ref = packattn.varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend="reference")
+print("CLOSE", torch.allclose(out, ref, atol=1e-5))
+from packattn.inputs import AttentionInputs, MaskSpec
+from packattn.layout import SeqLayout
+inp = AttentionInputs(q, k, v, SeqLayout.build(cu_q, cu_k, 7, 9), MaskSpec(scale=0.3))
+print("CHOSEN", dispatch.select(inp, None, "test").NAME)
+from packattn import cli
+cli.main(["info"])
+"""
+
+FAILING_COMPILER = """#!/bin/sh
+case "$*" in
+  *.cpp*) echo "error: simulated compiler failure" >&2; exit 1 ;;
+esac
+exec c++ "$@"
+"""
+
+
+@pytest.mark.parametrize("how", ["no_compiler", "compile_error"])
+def test_failed_build_leaves_the_cpu_backend_serving(how, tmp_path):
+    if how == "no_compiler":
+        cxx = str(tmp_path / "no-such-compiler")
+        expected = f"no C++ compiler: {cxx!r} is not on PATH"
+    else:
+        script = tmp_path / "failing-c++"
+        script.write_text(FAILING_COMPILER)
+        script.chmod(0o755)
+        cxx, expected = str(script), "the C++ kernel did not build: error: simulated compiler failure"
+    res = _python(FALLBACK_CHECK, {"CXX": cxx, "PACKATTN_CACHE_DIR": str(tmp_path / "cache")})
+    assert res.returncode == 0, res.stderr
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if line.split(" ")[0].isupper())
+    assert lines["REASON"].startswith(expected), res.stdout
+    assert lines["CLOSE"] == "True" and lines["CHOSEN"] == "cpu"
+    info = [line.split(maxsplit=1) for line in res.stdout.splitlines() if line.strip().startswith("cpu_kernel")]
+    assert info == [["cpu_kernel", f"unavailable: {lines['REASON']}"]]
+
+
+def test_cli_build_reports_the_cached_kernel(capsys):
+    from packattn import cli
+
+    assert cli.main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cpu_kernel: ready in ") and str(build.build_dir()) in out
