@@ -256,11 +256,15 @@ class Model:
         _require(
             torch.allclose(given_lse, lse, atol=1e-3, rtol=1e-4), f"{op}: softmax_max/sum do not match the forward"
         )
-        xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
         cu_q, cu_k = [0, *torch.tensor(lens_q).cumsum(0).tolist()], [0, *torch.tensor(lens_k).cumsum(0).tolist()]
-        with torch.enable_grad():
-            o, _ = attention_naive(*xs, cu_q, cu_k, softmax_scale=a["scale_value"], window_size=window)
-            grads = torch.autograd.grad(o, xs, dy.double())
+
+        def out_of(*xs: torch.Tensor) -> torch.Tensor:
+            return attention_naive(*xs, cu_q, cu_k, softmax_scale=a["scale_value"], window_size=window)[0]
+
+        # torch.func, not torch.autograd: packattn calls this from inside its backward custom op, where
+        # autograd records nothing.
+        _, vjp = torch.func.vjp(out_of, *(t.detach().double() for t in (q, k, v)))
+        grads = vjp(dy.double())
         return grads[0].to(q.dtype), grads[1].to(q.dtype), grads[2].to(q.dtype), None, torch.empty(0)
 
 
