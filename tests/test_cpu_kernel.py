@@ -120,11 +120,13 @@ def test_one_and_two_threads_give_the_same_bits(dtype, mask):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_float64_is_refused_and_dispatch_moves_on():
+def test_float64_is_refused_and_default_dispatch_does_not_pick_it_yet():
     case = make_case([5, 2], [4, 6], dtype=torch.float64)
     assert "float64 runs on the cpu backend" in " ".join(cpu_kernel.supports(case_inputs(case)))
-    assert dispatch.select(case_inputs(case), None, "test").NAME == "cpu"
-    assert dispatch.select(case_inputs(make_case([5, 2], [4, 6])), None, "test").NAME == "cpu_kernel"
+    # By name only until it is faster than the cpu backend (benchmarks/README.md).
+    assert "cpu_kernel" not in dispatch.PRIORITY["cpu"]
+    assert dispatch.select(case_inputs(make_case([5, 2], [4, 6])), None, "test").NAME == "cpu"
+    assert dispatch.select(case_inputs(make_case([5, 2], [4, 6])), "cpu_kernel", "test").NAME == "cpu_kernel"
 
 
 class _Spy:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import packattn
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
-from .helpers import make_case, offsets, supported
+from .helpers import DEVICE_BACKENDS, make_case, offsets, supported
 
 BOUNDED = settings(
     max_examples=80,
@@ -76,7 +76,7 @@ def test_random_layouts_match_oracle(layout):
     assert out.shape == ref_out.shape and out.dtype == torch.float32 and out.is_contiguous()
     assert_close_to_oracle(out, ref_out, pt_out, name="default dispatch out")
 
-    for backend in (None, "cpu", "reference"):  # None: the first on the device (cpu_kernel when built)
+    for backend in (None, *(b for b in DEVICE_BACKENDS if b in ("cpu", "cpu_kernel", "reference"))):
         out, lse = packattn.varlen_attention(
             case.q, case.k, case.v, cu_q, cu_k, return_lse=True, backend=backend, **mask
         )

@@ -223,6 +223,7 @@ def packattn_backend(name: str | None):
 IMPLEMENTATIONS: dict[str, tuple[Callable[..., tuple[Run, dict]], bool, tuple[str, ...] | None]] = {
     "packattn": (packattn_backend(None), False, None),
     "packattn triton": (packattn_backend("triton"), False, ("cuda",)),
+    "packattn cpu_kernel": (packattn_backend("cpu_kernel"), False, ("cpu",)),
     "flash-attn": (flash_attn_varlen, True, ("cuda",)),
     "torch varlen": (torch_varlen, True, ("cuda",)),
     "per-seq SDPA": (per_sequence_sdpa, True, None),
