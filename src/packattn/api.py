@@ -8,7 +8,7 @@ from typing import Literal, overload
 import torch
 
 from . import dispatch, ops
-from .inputs import AttentionInputs, check_mask, check_tensors
+from .inputs import AttentionInputs, MaskSpec, check_mask, check_tensors
 from .layout import SeqLayout, check_traced
 
 __all__ = ["varlen_attention"]
@@ -162,13 +162,10 @@ def run_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`varlen_attention`, with eager error messages that start with ``where`` (the compat layer's names;
     checks that run inside the op under ``torch.compile`` name ``varlen_attention``)."""
-    check_tensors(q, k, v, where)
-    mask = check_mask(
-        q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
-    )
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
-    dispatch.check_backend_name(backend, where)
+    mask = check_call(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        return_lse=return_lse, backend=backend, where=where,
+    )  # fmt: skip
     need_lse = return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     if torch.compiler.is_compiling():
         # Traced: no offset values here (they would become guards); the op checks them and dispatches.
@@ -201,6 +198,30 @@ def run_attention(
         return_lse, need_lse, name,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def check_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    return_lse: bool,
+    backend: str | None,
+    where: str,
+) -> MaskSpec:
+    """The checks every attention entry point makes of its tensors and options (offsets aside)."""
+    check_tensors(q, k, v, where)
+    mask = check_mask(
+        q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
+    )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
+    dispatch.check_backend_name(backend, where)
+    return mask
 
 
 def _valued(cu: torch.Tensor, host: list[int], device: torch.device) -> torch.Tensor:

@@ -21,7 +21,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import dispatch
-from ..inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, compute_dtype
+from ..api import check_call
+from ..inputs import AttentionInputs, MaskSpec, compute_dtype
 from ..layout import SeqLayout
 from ..merge import merge_attention_states
 from .comm import Ring, attention_options, check_plan, check_rows, collective_check, join_group, plan_items, wait
@@ -362,13 +363,10 @@ def ring_varlen_attention(
     ring = join_group(group, where)
 
     def validate() -> tuple[dict, _Setup]:
-        check_tensors(q, k, v, where)
-        mask = check_mask(
-            q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
-        )
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
-        dispatch.check_backend_name(backend, where)
+        mask = check_call(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            return_lse=return_lse, backend=backend, where=where,
+        )  # fmt: skip
         check_plan(plan, ring, where)
         check_rows(q, plan.local_q, "q", "q", plan, where)
         check_rows(k, plan.local_k, "k", "k", plan, where)

@@ -15,9 +15,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .. import dispatch
-from ..api import varlen_attention
-from ..inputs import check_mask, check_tensors
+from ..api import check_call, varlen_attention
 from .comm import (
     all_to_all,
     attention_options,
@@ -142,11 +140,7 @@ def ulysses_varlen_attention(
     mask = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
 
     def validate() -> tuple[dict, None]:
-        check_tensors(q, k, v, where)
-        check_mask(q, where=where, **mask)  # type: ignore[arg-type]
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
-        dispatch.check_backend_name(backend, where)
+        check_call(q, k, v, **mask, return_lse=return_lse, backend=backend, where=where)  # type: ignore[arg-type]
         check_plan(plan, ring, where)
         check_rows(q, plan.local_q, "q", "q", plan, where)
         check_rows(k, plan.local_k, "k", "k", plan, where)
