@@ -243,21 +243,25 @@ def test_offsets_are_read_once_per_forward_not_per_layer(monkeypatch: pytest.Mon
     assert len(calls) == 2  # two forwards of two layers each
 
 
-def test_plain_batch_compiles_without_graph_breaks() -> None:
-    """Offsets from the shapes only: the integration adds no sync or graph break. Run on the reference
-    backend, which dynamo traces whole (the cpu backend's own graph break is outside this integration)."""
-    integration.register("packattn_reference", backend="reference")
+def test_plain_batch_compiles_whole_forward_and_backward() -> None:
+    """A model using attn_implementation="packattn" compiles with fullgraph=True (packattn's custom ops, the
+    integration adds no sync): outputs and gradients equal eager attention's."""
+    integration.register()
     cfg = copy.deepcopy(DECODERS["llama_gqa"])
     cfg.num_hidden_layers = 1
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="packattn_reference").eval()
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="packattn")
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     eager.load_state_dict(model.state_dict())
     ids = torch.randint(0, DIMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(4))
-    # backend="eager": dynamo captures the whole graph (fullgraph) without the time inductor takes to build it.
-    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits, fullgraph=True, backend="eager")
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(ids), eager(input_ids=ids, use_cache=False).logits, **TOL)
+    # aot_eager: dynamo and AOT autograd capture forward and backward whole, without inductor's build time.
+    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits, fullgraph=True, backend="aot_eager")
+    got, want = compiled(ids), eager(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, **TOL)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
 
 
 @pytest.mark.parametrize("padding", ["left_padded", "unpadded"])
