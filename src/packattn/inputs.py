@@ -41,6 +41,13 @@ class MaskSpec:
         hi = lk if self.right < 0 else min(lk, i1 - 1 + off + self.right + 1)
         return lo, max(lo, hi)
 
+    def query_range(self, j0: int, j1: int, lq: int, lk: int) -> tuple[int, int]:
+        """Query rows ``[lo, hi)`` that may see any of the keys ``[j0, j1)`` (the mirror of :meth:`key_range`)."""
+        off = lk - lq
+        lo = 0 if self.right < 0 else max(0, j0 - off - self.right)
+        hi = lq if self.left < 0 else min(lq, j1 - 1 - off + self.left + 1)
+        return lo, max(lo, hi)
+
     def fully_visible(self, i0: int, i1: int, j0: int, j1: int, lq: int, lk: int) -> bool:
         """Whether every query row in ``[i0, i1)`` sees every key in ``[j0, j1)``."""
         off = lk - lq

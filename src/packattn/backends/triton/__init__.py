@@ -109,13 +109,11 @@ def _table(inp: AttentionInputs, block: int, *, by_keys: bool) -> torch.Tensor:
     for qs, qe, ks, ke in inp.layout.sequences():
         lq, lk = qe - qs, ke - ks
         for start in range(0, lk if by_keys else lq, block):
-            if by_keys:  # rows that may see keys [start, end): the mirror of MaskSpec.key_range
-                end, off = min(lk, start + block), lk - lq
-                lo = 0 if mask.right < 0 else max(0, start - off - mask.right)
-                hi = lq if mask.left < 0 else min(lq, end - off + mask.left)
+            if by_keys:
+                lo, hi = mask.query_range(start, min(lk, start + block), lq, lk)
             else:
                 lo, hi = mask.key_range(start, min(lq, start + block), lq, lk)
-            rows.append((max(0, hi - lo), (qs, lq, ks, lk, start)))
+            rows.append((hi - lo, (qs, lq, ks, lk, start)))
     rows.sort(key=lambda r: -r[0])  # stable: equal work keeps the packed order
     header = torch.tensor([mask.scale, mask.softcap], dtype=torch.float64).view(torch.int32)
     body = torch.tensor([r[1] for r in rows], dtype=torch.int32).reshape(-1)
