@@ -102,6 +102,16 @@ def _run(case, mask, *, grads: bool) -> list[torch.Tensor]:
     return [out, lse, *torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (case.q, case.k, case.v))]
 
 
+def test_parallel_loops_use_every_thread():
+    """The build must compile ATen's parallel loops for torch's thread pool (OpenMP needs -fopenmp)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert build.load().parallel_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", ["full", "causal", "softcap"])
 def test_one_and_two_threads_give_the_same_bits(dtype, mask):

@@ -120,6 +120,10 @@ def _build(verbose: bool) -> ModuleType:
         print(f"packattn: compiling the C++ CPU kernel into {where} (once per torch version and CPU)", file=sys.stderr)
     cap = capability()
     flags = ["-O3", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
+    if torch.backends.openmp.is_available():
+        # at::parallel_for is a header template over `#pragma omp parallel`: without -fopenmp it runs on one
+        # thread. The OpenMP calls resolve to the runtime torch already loaded (libtorch_cpu links it).
+        flags.append("-fopenmp")
     try:
         module = cpp_extension.load(
             name=name,
