@@ -14,8 +14,9 @@ template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct BwdWork {
   std::vector<at::Tensor> keep;
   float *lse, *delta, *s, *ds, *tanh, *acc, *acc2;
-  E *q, *dout, *kt, *vt, *k, *half, *st, *scratch;        // tiles
-  E *q_packed, *dout_packed, *kt_packed, *vt_packed, *k_packed;  // their VNNI forms (bf16 only)
+  E *half, *st, *tmp, *scratch;
+  TileCache<E> queries;    // per query block: Q and dO as A operands, then (bf16) as packed B operands
+  TileCache<E> kt, vt, k;  // per key tile: K^T, V^T and K as B operands
 };
 
 template <typename T>
@@ -29,16 +30,66 @@ struct BwdArgs {
   int64_t tq, hq, block_q;
 };
 
-// Rows [i0, i0 + bq) (x G heads) of s are in w.q, w.dout, w.lse, w.delta; keys [j0, j0 + bk) in kt, vt
-// (K^T and V^T). Leaves P in w.s and dS (the gradient of the raw scores q.k) in w.ds, both [pad16(rows),
-// pad16(bk)] with zeros wherever a pair is hidden or padding.
+// The query side of rows [i0, i0 + bq) (x G heads): the cached slot holds Q [mp, dp] and dO [mp, dvp] as A
+// operands and, for bf16, their packed B forms after them; the LSE and delta rows go to w.lse, w.delta.
+template <typename E>
+struct QuerySide {
+  const E *q, *dout;
+  BOperand q_b, dout_b;
+};
+
+template <typename E, typename T>
+QuerySide<E> query_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t b, int64_t block, int64_t h) {
+  const Shape& sh = a.sh;
+  const int64_t i0 = block * a.block_q, bq = std::min(s.lq, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
+  const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv), mpmax = pad16(sh.g * a.block_q);
+  const E* slot = w.queries.get(b, h, block, [&](E* p) {
+    E *q = p, *dout = p + mpmax * dp;
+    load_group(a.q, s, i0, bq, h, sh.g, sh.d, dp, q);
+    load_group(a.dout, s, i0, bq, h, sh.g, sh.dv, dvp, dout);
+    if constexpr (!std::is_same_v<E, float>) {
+      prepare_b(q, mp, dp, dp, dout + mpmax * dvp);
+      prepare_b(dout, mp, dvp, dvp, dout + mpmax * (dvp + dp));
+    }
+  });
+  for (int64_t gi = 0; gi < sh.g; ++gi) {
+    for (int64_t ii = 0; ii < bq; ++ii) {
+      const int64_t idx = (h * sh.g + gi) * a.tq + s.q0 + i0 + ii;
+      w.lse[gi * bq + ii] = a.lse[idx];
+      w.delta[gi * bq + ii] = a.delta[idx];
+    }
+  }
+  const E *q = slot, *dout = slot + mpmax * dp;
+  if constexpr (std::is_same_v<E, float>) return {q, dout, b_operand(q, mp, dp), b_operand(dout, mp, dvp)};
+  const E *q_packed = dout + mpmax * dvp, *dout_packed = q_packed + mpmax * dp;
+  return {q, dout, b_operand(q_packed, mp, dp), b_operand(dout_packed, mp, dvp)};
+}
+
+// K^T, V^T and (with rows) K of key tile `tile` as B operands.
+template <typename E, typename T>
+std::tuple<BOperand, BOperand, BOperand> key_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t b,
+                                                  int64_t tile, int64_t h, bool rows) {
+  const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
+  const int64_t d = a.sh.d, dv = a.sh.dv, dp = tile_width<E>(d), dvp = tile_width<E>(dv);
+  const E* kt = w.kt.get(b, h, tile, [&](E* p) { prepare_keys(a.k, s.k0 + j0, bk, h, d, dp, true, p, w.tmp, w.scratch); });
+  const E* vt = w.vt.get(b, h, tile, [&](E* p) { prepare_keys(a.v, s.k0 + j0, bk, h, dv, dvp, true, p, w.tmp, w.scratch); });
+  BOperand kr{nullptr, 0};
+  if (rows) {
+    kr = b_operand(w.k.get(b, h, tile, [&](E* p) { prepare_keys(a.k, s.k0 + j0, bk, h, d, dp, false, p, w.tmp, w.scratch); }),
+                   kp, dp);
+  }
+  return {b_operand(kt, dp, kp), b_operand(vt, dvp, kp), kr};
+}
+
+// Query rows [i0, i0 + bq) (x G heads) against keys [j0, j0 + bk): leaves P in w.s and dS (the gradient of
+// the raw scores q.k) in w.ds, both [pad16(rows), pad16(bk)] with zeros wherever a pair is hidden or padding.
 template <typename E>
 void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, int64_t i0, int64_t bq, int64_t j0,
-               int64_t bk, BOperand kt, BOperand vt) {
+               int64_t bk, const QuerySide<E>& qs, BOperand kt, BOperand vt) {
   const int64_t rows = sh.g * bq, mp = pad16(rows), kp = pad16(bk);
   const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
-  mm(mp, kp, dp, w.q, dp, kt, w.s, kp, false);
-  mm(mp, kp, dvp, w.dout, dvp, vt, w.ds, kp, false);
+  mm(mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
+  mm(mp, kp, dvp, qs.dout, dvp, vt, w.ds, kp, false);
   const bool full = tile_fully_visible(mask, s, i0, i0 + bq, j0, j0 + bk);
   const bool capped = mask.softcap > 0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -66,74 +117,51 @@ void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, i
   }
 }
 
-template <typename E, typename T>
-void load_query_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t i0, int64_t bq, int64_t h) {
-  const Shape& sh = a.sh;
-  load_group(a.q, s, i0, bq, h, sh.g, sh.d, tile_width<E>(sh.d), w.q);
-  load_group(a.dout, s, i0, bq, h, sh.g, sh.dv, tile_width<E>(sh.dv), w.dout);
-  for (int64_t gi = 0; gi < sh.g; ++gi) {
-    for (int64_t ii = 0; ii < bq; ++ii) {
-      const int64_t idx = (h * sh.g + gi) * a.tq + s.q0 + i0 + ii;
-      w.lse[gi * bq + ii] = a.lse[idx];
-      w.delta[gi * bq + ii] = a.delta[idx];
-    }
-  }
-}
-
-// K^T and V^T of keys [j0, j0 + bk), prepared as B operands.
-template <typename E, typename T>
-std::pair<BOperand, BOperand> load_keys_t(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t j0, int64_t bk,
-                                          int64_t h) {
-  const int64_t kp = pad16(bk), dp = tile_width<E>(a.sh.d), dvp = tile_width<E>(a.sh.dv);
-  load_tile_t(a.k, s.k0 + j0, bk, kp, h, a.sh.d, dp, w.kt, w.scratch);
-  load_tile_t(a.v, s.k0 + j0, bk, kp, h, a.sh.dv, dvp, w.vt, w.scratch);
-  return {prepare_b(w.kt, dp, kp, kp, w.kt_packed), prepare_b(w.vt, dvp, kp, kp, w.vt_packed)};
-}
-
 void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, float* dst, int64_t ld_dst) {
   for (int64_t r = 0; r < n; ++r) std::copy(src + r * ld_src, src + r * ld_src + width, dst + r * ld_dst);
 }
 
+// dK and dV of one key tile: the sum over the query blocks that see it.
 template <typename E, typename T>
 void dkdv_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
   const Seq& s = a.seqs[it.b];
   const Shape& sh = a.sh;
   const int64_t j0 = it.r0, bk = it.r1 - it.r0, kp = pad16(bk);
   const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
-  const auto [kt, vt] = load_keys_t(w, a, s, j0, bk, it.h);
+  const auto [kt, vt, unused] = key_side(w, a, s, it.b, j0 / kBwdKeys, it.h, false);
   float *dk = w.acc, *dv = w.acc2;
   std::fill(dk, dk + kp * dp, 0.f);
   std::fill(dv, dv + kp * dvp, 0.f);
   const int64_t last = a.mask.last_row(s, it.r1);
-  for (int64_t i0 = a.mask.first_row(s, j0); i0 < last; i0 += a.block_q) {
-    const int64_t bq = std::min(last, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
-    load_query_side(w, a, s, i0, bq, it.h);
-    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, kt, vt);
+  for (int64_t block = a.mask.first_row(s, j0) / a.block_q; block * a.block_q < last; ++block) {
+    const int64_t i0 = block * a.block_q, bq = std::min(s.lq, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
+    const QuerySide<E> qs = query_side(w, a, s, it.b, block, it.h);
+    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
     transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp);  // P^T
-    mm(kp, dvp, mp, w.st, mp, prepare_b(w.dout, mp, dvp, dvp, w.dout_packed), dv, dvp, true);
+    mm(kp, dvp, mp, w.st, mp, qs.dout_b, dv, dvp, true);
     transpose(as_tile(w.ds, mp * kp, w.half), mp, kp, kp, w.st, mp);  // dS^T
-    mm(kp, dp, mp, w.st, mp, prepare_b(w.q, mp, dp, dp, w.q_packed), dk, dp, true);
+    mm(kp, dp, mp, w.st, mp, qs.q_b, dk, dp, true);
   }
   const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + it.h;
   store_rows(dk, bk, sh.d, dp, a.dk + row0 * sh.d, hkv * sh.d);
   store_rows(dv, bk, sh.dv, dvp, a.dv + row0 * sh.dv, hkv * sh.dv);
 }
 
+// dQ of one query block: the sum over the key tiles it sees.
 template <typename E, typename T>
 void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
   const Seq& s = a.seqs[it.b];
   const Shape& sh = a.sh;
   const int64_t i0 = it.r0, bq = it.r1 - it.r0, mp = pad16(sh.g * bq), dp = tile_width<E>(sh.d);
-  load_query_side(w, a, s, i0, bq, it.h);
+  const QuerySide<E> qs = query_side(w, a, s, it.b, i0 / a.block_q, it.h);
   float* dq = w.acc;
   std::fill(dq, dq + mp * dp, 0.f);
   const int64_t lo = a.mask.lo(s, i0), hi = a.mask.hi(s, it.r1 - 1);
-  for (int64_t j0 = lo; j0 < hi; j0 += kBwdKeys) {
-    const int64_t bk = std::min(hi, j0 + kBwdKeys) - j0, kp = pad16(bk);
-    const auto [kt, vt] = load_keys_t(w, a, s, j0, bk, it.h);
-    const BOperand kb = tile_operand(a.k, s.k0 + j0, bk, kp, it.h, sh.d, dp, w.k, w.k_packed);
-    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, kt, vt);
-    mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kb, dq, dp, true);
+  for (int64_t tile = lo / kBwdKeys; tile * kBwdKeys < hi; ++tile) {
+    const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
+    const auto [kt, vt, kr] = key_side(w, a, s, it.b, tile, it.h, true);
+    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
+    mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kr, dq, dp, true);
   }
   for (int64_t gi = 0; gi < sh.g; ++gi) {
     float* dst = a.dq + ((s.q0 + i0) * a.hq + it.h * sh.g + gi) * sh.d;
@@ -146,6 +174,10 @@ void run_backward(const BwdArgs<T>& a) {
   const Shape& sh = a.sh;
   const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
+  int64_t max_q = 0;
+  for (const Seq& s : a.seqs) max_q = std::max(max_q, s.lq);
+  const int64_t key_tiles = (max_keys(a.seqs) + kBwdKeys - 1) / kBwdKeys;
+  const int64_t query_blocks = (max_q + a.block_q - 1) / a.block_q;
   auto make = [&] {
     BwdWork<E> w;
     w.lse = buffer(w.keep, mp);
@@ -155,19 +187,14 @@ void run_backward(const BwdArgs<T>& a) {
     w.tanh = buffer(w.keep, kBwdKeys);
     w.acc = buffer(w.keep, std::max(mp, kBwdKeys) * dp);
     w.acc2 = buffer(w.keep, kBwdKeys * dvp);
-    w.q = buffer<E>(w.keep, mp * dp);
-    w.dout = buffer<E>(w.keep, mp * dvp);
-    w.kt = buffer<E>(w.keep, kBwdKeys * dp);
-    w.vt = buffer<E>(w.keep, kBwdKeys * dvp);
-    w.k = buffer<E>(w.keep, kBwdKeys * dp);
     w.scratch = buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp));
     w.st = buffer<E>(w.keep, mp * kBwdKeys);
+    w.tmp = amx ? buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp)) : nullptr;
     w.half = amx ? buffer<E>(w.keep, mp * kBwdKeys) : nullptr;
-    w.q_packed = amx ? buffer<E>(w.keep, mp * dp) : nullptr;
-    w.dout_packed = amx ? buffer<E>(w.keep, mp * dvp) : nullptr;
-    w.kt_packed = amx ? buffer<E>(w.keep, kBwdKeys * dp) : nullptr;
-    w.vt_packed = amx ? buffer<E>(w.keep, kBwdKeys * dvp) : nullptr;
-    w.k_packed = amx ? buffer<E>(w.keep, kBwdKeys * dp) : nullptr;
+    w.queries.init(w.keep, query_blocks, mp * (dp + dvp) * (amx ? 2 : 1));
+    w.kt.init(w.keep, key_tiles, kBwdKeys * dp);
+    w.vt.init(w.keep, key_tiles, kBwdKeys * dvp);
+    w.k.init(w.keep, key_tiles, kBwdKeys * dp);
     return w;
   };
   run_plan(make_plan(a.seqs, a.mask, sh, kBwdKeys, true), amx, make,

@@ -12,7 +12,8 @@ template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct FwdWork {
   std::vector<at::Tensor> keep;
   float *s, *acc, *m, *l;
-  E *q, *kt, *v, *p, *kt_packed, *v_packed, *scratch;
+  E *q, *p, *tmp, *scratch;
+  TileCache<E> kt, v;  // K^T and V tiles of the current (sequence, KV head)
 };
 
 // Online softmax of one score row over its visible columns [c0, c1): turns them into exp(s - m_new),
@@ -47,21 +48,26 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
   std::fill(w.l, w.l + rows, 0.f);
   std::fill(w.acc, w.acc + mp * ldo, 0.f);
   const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
-  for (int64_t j0 = lo; j0 < hi; j0 += kFwdKeys) {
-    const int64_t j1 = std::min(hi, j0 + kFwdKeys), bk = j1 - j0, kp = pad16(bk);
-    load_tile_t(k, s.k0 + j0, bk, kp, it.h, d, dp, w.kt, w.scratch);
-    mm(mp, kp, dp, w.q, dp, prepare_b(w.kt, dp, kp, kp, w.kt_packed), w.s, kp, false);
-    const bool full = tile_fully_visible(mask, s, i0, i1, j0, j1);
+  for (int64_t tile = lo / kFwdKeys; tile * kFwdKeys < hi; ++tile) {
+    const int64_t j0 = tile * kFwdKeys, bk = std::min(s.lk, j0 + kFwdKeys) - j0;
+    const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
+    const E* kt = w.kt.get(it.b, it.h, tile, [&](E* slot) {
+      prepare_keys(k, s.k0 + j0, bk, it.h, d, dp, true, slot, w.tmp, w.scratch);
+    });
+    mm(mp, n, dp, w.q, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
+    const bool full = tile_fully_visible(mask, s, i0, i1, j0, j0 + bk);
     for (int64_t r = 0; r < rows; ++r) {
       auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
-      const float alpha = softmax_row(w.s + r * kp, c0, c1, kp, mask, w.m[r], w.l[r]);
+      const float alpha = softmax_row(w.s + r * n, c0, c1, n, mask, w.m[r], w.l[r]);
       if (alpha != 1.f) {
         const Vec a(alpha);
         at::vec::map([a](Vec x) { return x * a; }, w.acc + r * ldo, w.acc + r * ldo, dv);
       }
     }
-    const BOperand vb = tile_operand(v, s.k0 + j0, bk, kp, it.h, dv, ldo, w.v, w.v_packed);
-    mm(mp, ldo, kp, as_tile(w.s, mp * kp, w.p), kp, vb, w.acc, ldo, true);
+    const E* vb = w.v.get(it.b, it.h, tile, [&](E* slot) {
+      prepare_keys(v, s.k0 + j0, bk, it.h, dv, ldo, false, slot, w.tmp, w.scratch);
+    });
+    mm(mp, ldo, n, as_tile(w.s, mp * n, w.p), n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = s.q0 + i0 + r % bq, head = it.h * sh.g + r / bq;
@@ -81,6 +87,7 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
   T* o = out.data_ptr<T>();
   const int64_t hq = q.size(1), tq = q.size(0), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
+  const int64_t tiles = (max_keys(seqs) + kFwdKeys - 1) / kFwdKeys;
   auto make = [&] {
     FwdWork<E> w;
     w.s = buffer(w.keep, mp * kFwdKeys);
@@ -88,12 +95,11 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
     w.m = buffer(w.keep, mp);
     w.l = buffer(w.keep, mp);
     w.q = buffer<E>(w.keep, mp * dp);
-    w.kt = buffer<E>(w.keep, kFwdKeys * dp);
-    w.scratch = buffer<E>(w.keep, kFwdKeys * dp);
-    w.v = buffer<E>(w.keep, kFwdKeys * ldo);
+    w.scratch = buffer<E>(w.keep, kFwdKeys * std::max(dp, ldo));
+    w.tmp = amx ? buffer<E>(w.keep, kFwdKeys * std::max(dp, ldo)) : nullptr;
     w.p = amx ? buffer<E>(w.keep, mp * kFwdKeys) : nullptr;
-    w.kt_packed = amx ? buffer<E>(w.keep, kFwdKeys * dp) : nullptr;
-    w.v_packed = amx ? buffer<E>(w.keep, kFwdKeys * ldo) : nullptr;
+    w.kt.init(w.keep, tiles, kFwdKeys * dp);
+    w.v.init(w.keep, tiles, kFwdKeys * ldo);
     return w;
   };
   run_plan(plan, amx, make, [&](const Item& it, FwdWork<E>& w) {

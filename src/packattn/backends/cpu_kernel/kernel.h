@@ -98,12 +98,15 @@ struct Plan {
   std::vector<double> cost;
 };
 
-// Items of `block` query rows (by_keys = false) or keys (by_keys = true), costed by visible pairs.
+// Items of `block` query rows (by_keys = false) or keys (by_keys = true), costed by visible pairs, in the
+// order (sequence, KV head, block): a thread's consecutive items share their sequence's key tiles (TileCache).
 inline Plan make_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t block, bool by_keys) {
   Plan plan;
+  std::vector<double> cost;
   for (int64_t b = 0; b < (int64_t)seqs.size(); ++b) {
     const Seq& s = seqs[b];
     const int64_t n = by_keys ? s.lk : s.lq;
+    cost.clear();
     for (int64_t r0 = 0; r0 < n; r0 += block) {
       const int64_t r1 = std::min(n, r0 + block);
       double pairs = 0;
@@ -114,10 +117,12 @@ inline Plan make_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shap
           pairs += std::max<int64_t>(0, std::min(r1, mask.hi(s, i)) - std::max(r0, mask.lo(s, i)));
         }
       }
-      const double c = sh.g * (pairs + 8.0 * (r1 - r0)) * (sh.d + sh.dv) + 2048.0;  // + fixed cost
-      for (int64_t h = 0; h < sh.hkv; ++h) {
-        plan.items.push_back({b, h, r0, r1});
-        plan.cost.push_back(c);
+      cost.push_back(sh.g * (pairs + 8.0 * (r1 - r0)) * (sh.d + sh.dv) + 2048.0);  // + fixed cost
+    }
+    for (int64_t h = 0; h < sh.hkv; ++h) {
+      for (int64_t r = 0; r < (int64_t)cost.size(); ++r) {
+        plan.items.push_back({b, h, r * block, std::min(n, (r + 1) * block)});
+        plan.cost.push_back(cost[r]);
       }
     }
   }
@@ -239,10 +244,14 @@ void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t 
 // of 16, so few distinct shapes get generated and cached.
 struct BOperand {
   const void* data;
-  int64_t ld;  // fp32 only; packed blocks are K x (block width)
+  int64_t ld;  // fp32: the row stride; packed bf16: the K the blocks were packed with (each K x block width)
 };
 
 constexpr int64_t kPackN = 64;
+
+// A B operand [k, n] (row stride ld) that prepare_b left at p.
+inline BOperand b_operand(const float* p, int64_t, int64_t ld) { return {p, ld}; }
+inline BOperand b_operand(const at::BFloat16* p, int64_t k, int64_t) { return {p, k}; }
 
 inline BOperand prepare_b(const float* b, int64_t, int64_t, int64_t ld, float*) { return {b, ld}; }
 
@@ -251,9 +260,11 @@ inline BOperand prepare_b(const at::BFloat16* b, int64_t k, int64_t n, int64_t l
     const int64_t nc = std::min(kPackN, n - n0);
     at::native::cpublas::pack(k, nc, ld, nc, at::kBFloat16, at::kBFloat16, b + n0, packed + n0 * k);
   }
-  return {packed, 0};
+  return {packed, k};
 }
 
+// The first k rows of a prepared B may be used (k even for bf16), and the first n columns (a multiple of
+// kPackN, or all of them, for bf16).
 inline void mm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, BOperand b, float* c, int64_t ldc,
                bool add) {
   at::native::cpublas::brgemm(m, n, k, lda, b.ld, ldc, add, a, static_cast<const float*>(b.data), c, false);
@@ -264,20 +275,70 @@ inline void mm(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t l
   const auto* packed = static_cast<const at::BFloat16*>(b.data);
   for (int64_t n0 = 0; n0 < n; n0 += kPackN) {
     const int64_t nc = std::min(kPackN, n - n0);
-    at::native::cpublas::brgemm(m, nc, k, lda, nc, ldc, add, a, packed + n0 * k, c + n0, true);
+    at::native::cpublas::brgemm(m, nc, k, lda, nc, ldc, add, a, packed + n0 * b.ld, c + n0, true);
   }
 }
 
-// Rows [t0, t0 + n) of head h as a B operand [npad, ld]: prepared straight from the tensor when it holds E
-// with unit last stride and needs no padding, else loaded (converted, zero-padded) into buf first.
-template <typename E, typename T>
-BOperand tile_operand(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t ld,
-                      E* buf, E* packed) {
-  if constexpr (std::is_same_v<T, E>) {
-    if (x.s2 == 1 && x.s0 >= width && n == npad && width == ld) return prepare_b(x.at(t0, h), npad, ld, x.s0, packed);
+// Columns of a prepared B that a product may use when it needs the first `need` of `n`.
+template <typename E>
+int64_t usable_cols(int64_t need, int64_t n) {
+  const int64_t unit = std::is_same_v<E, float> ? 16 : kPackN;
+  return std::min(n, (need + unit - 1) / unit * unit);
+}
+
+// Prepared tiles of one (sequence, KV head) on a fixed grid of blocks, kept while a thread's consecutive
+// items are on the same sequence and head: each block is loaded, transposed, converted and packed once per
+// head rather than once per item that reads it. O(longest sequence x width) per thread.
+template <typename E>
+struct TileCache {
+  E* data = nullptr;
+  int64_t slot = 0, b = -1, h = -1;
+  std::vector<uint8_t> ready;
+
+  void init(std::vector<at::Tensor>& keep, int64_t blocks, int64_t slot_elems);
+  template <typename F>
+  const E* get(int64_t seq, int64_t head, int64_t block, const F& prepare) {  // prepare(E* slot) fills it
+    if (seq != b || head != h) {
+      std::fill(ready.begin(), ready.end(), 0);
+      b = seq;
+      h = head;
+    }
+    if (!ready[block]) {
+      prepare(data + block * slot);
+      ready[block] = 1;
+    }
+    return data + block * slot;
   }
-  load_tile(x, t0, n, npad, h, width, ld, buf);
-  return prepare_b(buf, npad, ld, ld, packed);
+};
+
+// Keys [j0, j0 + bk) of head h as a prepared B in `slot`: transposed ([width_pad, pad16(bk)], for Q K^T) or
+// as rows ([pad16(bk), width_pad], for P V and dS K). bf16 tiles are laid out in `tmp` before packing;
+// `scratch` holds [bk, width] for the transpose.
+template <typename E, typename T>
+void prepare_keys(const Rows<T>& x, int64_t j0, int64_t bk, int64_t h, int64_t width, int64_t width_pad,
+                      bool transposed, E* slot, E* tmp, E* scratch) {
+  const int64_t kp = pad16(bk);
+  E* dst = std::is_same_v<E, float> ? slot : tmp;
+  if (transposed) {
+    load_tile_t(x, j0, bk, kp, h, width, width_pad, dst, scratch);
+    prepare_b(dst, width_pad, kp, kp, slot);
+  } else {
+    load_tile(x, j0, bk, kp, h, width, width_pad, dst);
+    prepare_b(dst, kp, width_pad, width_pad, slot);
+  }
+}
+
+template <typename E>
+void TileCache<E>::init(std::vector<at::Tensor>& keep, int64_t blocks, int64_t slot_elems) {
+  data = buffer<E>(keep, blocks * slot_elems);
+  slot = slot_elems;
+  ready.assign(blocks, 0);
+}
+
+inline int64_t max_keys(const std::vector<Seq>& seqs) {
+  int64_t n = 0;
+  for (const Seq& s : seqs) n = std::max(n, s.lk);
+  return n;
 }
 
 // Whether tiles of this dtype run in bf16 on the matrix units (else as fp32 tiles).
