@@ -36,7 +36,7 @@ MASKS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Longer than a forward item (128 rows / G) and a key tile (256 forward, 128 backward), with Lq != Lk both
+# Longer than a forward item (256 rows / G) and a key tile (256 forward, 128 backward), with Lq != Lk both
 # ways, lengths that are no multiple of 16, an empty side, and a sequence whose first rows see no key.
 LONG = ([300, 0, 1, 77, 520], [290, 5, 33, 0, 700])
 

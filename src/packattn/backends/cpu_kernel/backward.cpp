@@ -13,7 +13,7 @@ constexpr int64_t kBwdKeys = 128;  // keys per tile
 template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct BwdWork {
   std::vector<at::Tensor> keep;
-  float *lse, *delta, *s, *ds, *tanh, *acc, *acc2;
+  float *lse, *delta, *s, *ds, *acc, *acc2;
   E *half, *st, *tmp, *scratch;
   TileCache<E> queries;    // per query block: Q and dO as A operands, then (bf16) as packed B operands
   TileCache<E> kt, vt, k;  // per key tile: K^T, V^T and K as B operands
@@ -91,24 +91,19 @@ void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, i
   mm(mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
   mm(mp, kp, dvp, qs.dout, dvp, vt, w.ds, kp, false);
   const bool full = tile_fully_visible(mask, s, i0, i0 + bq, j0, j0 + bk);
-  const bool capped = mask.softcap > 0;
+  const Scores score(mask);
+  const Vec scale(mask.scale), one(1.f);
   for (int64_t r = 0; r < rows; ++r) {
-    float *p = w.s + r * kp, *ds = w.ds + r * kp, *t = w.tanh;
+    float *p = w.s + r * kp, *ds = w.ds + r * kp;
     auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
-    if (c1 <= c0 || w.lse[r] == kNegInf) {
-      c0 = c1 = 0;
-    } else {
-      transform_scores(p + c0, c1 - c0, mask, capped ? t : nullptr);
-    }
-    const Vec lse(w.lse[r]), delta(w.delta[r]), scale(mask.scale), one(1.f);
-    for (int64_t c = c0; c < c1; c += kVec) {
+    if (c1 <= c0 || w.lse[r] == kNegInf) c0 = c1 = 0;
+    const Vec lse(w.lse[r]), delta(w.delta[r]);
+    for (int64_t c = c0; c < c1; c += kVec) {  // p = exp(score - lse), ds = p (dp - delta) d(score)/d(q.k)
       const int64_t cnt = std::min(kVec, c1 - c);
-      const Vec pv = (Vec::loadu(p + c, cnt) - lse).exp_u20();
+      Vec t;
+      const Vec pv = exp_softmax(score(Vec::loadu(p + c, cnt), &t) - lse);
       Vec dsv = pv * (Vec::loadu(ds + c, cnt) - delta) * scale;
-      if (capped) {
-        const Vec tv = Vec::loadu(t + (c - c0), cnt);
-        dsv = dsv * (one - tv * tv);
-      }
+      if (score.capped) dsv = dsv * (one - t * t);
       pv.store(p + c, cnt);
       dsv.store(ds + c, cnt);
     }
@@ -184,7 +179,6 @@ void run_backward(const BwdArgs<T>& a) {
     w.delta = buffer(w.keep, mp);
     w.s = buffer(w.keep, mp * kBwdKeys);
     w.ds = buffer(w.keep, mp * kBwdKeys);
-    w.tanh = buffer(w.keep, kBwdKeys);
     w.acc = buffer(w.keep, std::max(mp, kBwdKeys) * dp);
     w.acc2 = buffer(w.keep, kBwdKeys * dvp);
     w.scratch = buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp));

@@ -5,7 +5,7 @@
 namespace packattn_kernel {
 namespace {
 
-constexpr int64_t kFwdRows = 128;  // target G x block_q rows of one forward item
+constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward item
 constexpr int64_t kFwdKeys = 256;  // keys per score tile
 
 template <typename E>  // tile element: float, or BFloat16 on the matrix units
@@ -16,23 +16,36 @@ struct FwdWork {
   TileCache<E> kt, v;  // K^T and V tiles of the current (sequence, KV head)
 };
 
-// Online softmax of one score row over its visible columns [c0, c1): turns them into exp(s - m_new),
-// zeroes the rest of the padded row, updates the running max m and sum l; returns the factor by which the
-// row's accumulator must be rescaled.
-inline float softmax_row(float* row, int64_t c0, int64_t c1, int64_t width, const Mask& mask, float& m, float& l) {
+// Online softmax of one row of raw scores over its visible columns [c0, c1): writes exp(score - m_new) there
+// and zeros in the rest of p[0, width) (p may be the row itself), updates the running max m and sum l, and
+// returns the factor by which the row's accumulator must be rescaled. Two passes: max, then exp and sum.
+template <typename E>
+float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width, const Scores& score, float& m,
+                  float& l) {
   if (c1 <= c0) {
-    std::fill(row, row + width, 0.f);
+    std::fill(p, p + width, E(0));
     return 1.f;
   }
-  transform_scores(row + c0, c1 - c0, mask, nullptr);
-  const float mx = at::vec::reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, row + c0, c1 - c0);
-  const float m_new = std::max(m, mx);
-  const Vec shift(m_new);
-  at::vec::map([shift](Vec x) { return (x - shift).exp_u20(); }, row + c0, row + c0, c1 - c0);
-  const float sum = at::vec::reduce_all<float>([](Vec a, Vec b) { return a + b; }, row + c0, c1 - c0);
-  zero_outside(row, c0, c1, width);
+  const float m_new = std::max(m, score(row_max(row + c0, c1 - c0)));
+  const Vec shift(m_new), zero(0.f);
+  Vec sum(0.f);
+  int64_t c = c0;
+  for (; c + 2 * kVec <= c1; c += 2 * kVec) {
+    const Vec a = exp_softmax(score(Vec::loadu(row + c)) - shift);
+    const Vec b = exp_softmax(score(Vec::loadu(row + c + kVec)) - shift);
+    sum = sum + a + b;
+    store_pair(p + c, a, b, 2 * kVec);
+  }
+  if (c < c1) {  // the tail: lanes past c1 are zero
+    const int64_t cnt = c1 - c, cnt_a = std::min(cnt, kVec), cnt_b = cnt - cnt_a;
+    const Vec a = Vec::set(zero, exp_softmax(score(Vec::loadu(row + c, cnt_a)) - shift), cnt_a);
+    const Vec b = cnt_b > 0 ? Vec::set(zero, exp_softmax(score(Vec::loadu(row + c + kVec, cnt_b)) - shift), cnt_b) : zero;
+    sum = sum + a + b;
+    store_pair(p + c, a, b, cnt);
+  }
+  zero_outside(p, c0, c1, width);
   const float alpha = std::exp(m - m_new);  // 0 when m was -inf
-  l = l * alpha + sum;
+  l = l * alpha + at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, sum);
   m = m_new;
   return alpha;
 }
@@ -48,6 +61,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
   std::fill(w.l, w.l + rows, 0.f);
   std::fill(w.acc, w.acc + mp * ldo, 0.f);
   const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
+  const Scores score(mask);
   for (int64_t tile = lo / kFwdKeys; tile * kFwdKeys < hi; ++tile) {
     const int64_t j0 = tile * kFwdKeys, bk = std::min(s.lk, j0 + kFwdKeys) - j0;
     const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
@@ -56,9 +70,10 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
     });
     mm(mp, n, dp, w.q, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j0 + bk);
+    E* p = std::is_same_v<E, float> ? reinterpret_cast<E*>(w.s) : w.p;  // P in place, or as bf16 beside it
     for (int64_t r = 0; r < rows; ++r) {
       auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
-      const float alpha = softmax_row(w.s + r * n, c0, c1, n, mask, w.m[r], w.l[r]);
+      const float alpha = softmax_row(w.s + r * n, p + r * n, c0, c1, n, score, w.m[r], w.l[r]);
       if (alpha != 1.f) {
         const Vec a(alpha);
         at::vec::map([a](Vec x) { return x * a; }, w.acc + r * ldo, w.acc + r * ldo, dv);
@@ -67,7 +82,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
     const E* vb = w.v.get(it.b, it.h, tile, [&](E* slot) {
       prepare_keys(v, s.k0 + j0, bk, it.h, dv, ldo, false, slot, w.tmp, w.scratch);
     });
-    mm(mp, ldo, n, as_tile(w.s, mp * n, w.p), n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
+    mm(mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = s.q0 + i0 + r % bq, head = it.h * sh.g + r / bq;
