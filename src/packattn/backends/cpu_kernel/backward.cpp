@@ -13,7 +13,7 @@ constexpr int64_t kBwdKeys = 128;  // keys per tile
 template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct BwdWork {
   std::vector<at::Tensor> keep;
-  float *lse, *delta, *s, *ds, *acc, *acc2;
+  float *lse, *delta, *s, *ds, *acc, *acc2, *dq = nullptr;
   E *half, *st, *tmp, *scratch;
   TileCache<E> queries;    // per query block: Q and dO as A operands, then (bf16) as packed B operands
   TileCache<E> kt, vt, k;  // per key tile: K^T, V^T and K as B operands
@@ -116,30 +116,62 @@ void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, floa
   for (int64_t r = 0; r < n; ++r) std::copy(src + r * ld_src, src + r * ld_src + width, dst + r * ld_dst);
 }
 
-// dK and dV of one key tile: the sum over the query blocks that see it.
+// dK and dV of key tile `tile` of (sequence b, KV head h): the sum over the query blocks that see it. With
+// dq (the fp32 [query block][pad16(G x block_q)][dp] accumulators of the whole sequence), also adds the
+// tile's share of dQ to every block: the same products, in the same order, as dq_item.
 template <typename E, typename T>
-void dkdv_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
-  const Seq& s = a.seqs[it.b];
+void key_tile_grads(BwdWork<E>& w, const BwdArgs<T>& a, int64_t b, int64_t h, int64_t tile, float* dq) {
+  const Seq& s = a.seqs[b];
   const Shape& sh = a.sh;
-  const int64_t j0 = it.r0, bk = it.r1 - it.r0, kp = pad16(bk);
-  const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
-  const auto [kt, vt, unused] = key_side(w, a, s, it.b, j0 / kBwdKeys, it.h, false);
+  const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
+  const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv), mpmax = pad16(sh.g * a.block_q);
+  const auto [kt, vt, kr] = key_side(w, a, s, b, tile, h, dq != nullptr);
   float *dk = w.acc, *dv = w.acc2;
   std::fill(dk, dk + kp * dp, 0.f);
   std::fill(dv, dv + kp * dvp, 0.f);
-  const int64_t last = a.mask.last_row(s, it.r1);
+  const int64_t last = a.mask.last_row(s, j0 + bk);
   for (int64_t block = a.mask.first_row(s, j0) / a.block_q; block * a.block_q < last; ++block) {
     const int64_t i0 = block * a.block_q, bq = std::min(s.lq, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
-    const QuerySide<E> qs = query_side(w, a, s, it.b, block, it.h);
+    const QuerySide<E> qs = query_side(w, a, s, b, block, h);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
     transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp);  // P^T
     mm(kp, dvp, mp, w.st, mp, qs.dout_b, dv, dvp, true);
-    transpose(as_tile(w.ds, mp * kp, w.half), mp, kp, kp, w.st, mp);  // dS^T
+    const E* ds = as_tile(w.ds, mp * kp, w.half);
+    transpose(ds, mp, kp, kp, w.st, mp);  // dS^T
     mm(kp, dp, mp, w.st, mp, qs.q_b, dk, dp, true);
+    if (dq) mm(mp, dp, kp, ds, kp, kr, dq + block * mpmax * dp, dp, true);
   }
-  const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + it.h;
+  const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + h;
   store_rows(dk, bk, sh.d, dp, a.dk + row0 * sh.d, hkv * sh.d);
   store_rows(dv, bk, sh.dv, dvp, a.dv + row0 * sh.dv, hkv * sh.dv);
+}
+
+template <typename E, typename T>
+void store_dq(const BwdArgs<T>& a, const Seq& s, int64_t h, int64_t i0, int64_t bq, const float* dq) {
+  const int64_t dp = tile_width<E>(a.sh.d);
+  for (int64_t gi = 0; gi < a.sh.g; ++gi) {
+    float* dst = a.dq + ((s.q0 + i0) * a.hq + h * a.sh.g + gi) * a.sh.d;
+    store_rows(dq + gi * bq * dp, bq, a.sh.d, dp, dst, a.hq * a.sh.d);
+  }
+}
+
+// Every gradient of one (sequence, KV head), in one pass over its key tiles.
+template <typename E, typename T>
+void sequence_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
+  const Seq& s = a.seqs[it.b];
+  const int64_t mpmax = pad16(a.sh.g * a.block_q), dp = tile_width<E>(a.sh.d);
+  const int64_t blocks = (s.lq + a.block_q - 1) / a.block_q;
+  std::fill(w.dq, w.dq + blocks * mpmax * dp, 0.f);
+  for (int64_t tile = 0; tile * kBwdKeys < s.lk; ++tile) key_tile_grads(w, a, it.b, it.h, tile, w.dq);
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t i0 = block * a.block_q;
+    store_dq<E>(a, s, it.h, i0, std::min(s.lq, i0 + a.block_q) - i0, w.dq + block * mpmax * dp);
+  }
+}
+
+template <typename E, typename T>
+void dkdv_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
+  key_tile_grads<E>(w, a, it.b, it.h, it.r0 / kBwdKeys, nullptr);
 }
 
 // dQ of one query block: the sum over the key tiles it sees.
@@ -158,10 +190,7 @@ void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
     mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kr, dq, dp, true);
   }
-  for (int64_t gi = 0; gi < sh.g; ++gi) {
-    float* dst = a.dq + ((s.q0 + i0) * a.hq + it.h * sh.g + gi) * sh.d;
-    store_rows(dq + gi * bq * dp, bq, sh.d, dp, dst, a.hq * sh.d);
-  }
+  store_dq<E>(a, s, it.h, i0, bq, dq);
 }
 
 template <typename E, typename T>
@@ -191,10 +220,25 @@ void run_backward(const BwdArgs<T>& a) {
     w.k.init(w.keep, key_tiles, kBwdKeys * dp);
     return w;
   };
+  const auto none = [](const Item*, const Item&) {};
+  // One pass per (sequence, KV head) when there are enough of them to keep every thread busy: 5 products per
+  // (query block, key tile). Else two passes, over key tiles (dK, dV) and query blocks (dQ), which split
+  // one sequence between threads at the price of recomputing Q K^T and dO V^T (7 products). Both give the
+  // same bits.
+  const Plan whole = make_plan(a.seqs, a.mask, sh, 0, true, true);
+  if ((int64_t)whole.items.size() >= 4 * at::get_num_threads()) {
+    const auto fused = [&] {
+      BwdWork<E> w = make();
+      w.dq = buffer(w.keep, query_blocks * mp * dp);
+      return w;
+    };
+    run_plan(whole, amx, fused, [&](const Item& it, BwdWork<E>& w) { sequence_item(it, w, a); }, none);
+    return;
+  }
   run_plan(make_plan(a.seqs, a.mask, sh, kBwdKeys, true), amx, make,
-           [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); });
+           [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); }, none);
   run_plan(make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
-           [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); });
+           [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); }, none);
 }
 
 }  // namespace

@@ -100,28 +100,37 @@ struct Plan {
 
 // Items of `block` query rows (by_keys = false) or keys (by_keys = true), costed by visible pairs, in the
 // order (sequence, KV head, block): a thread's consecutive items share their sequence's key tiles (TileCache).
-inline Plan make_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t block, bool by_keys) {
+// With whole_sequences, one item of all keys per (sequence, KV head) that has rows on either side.
+inline Plan make_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t block, bool by_keys,
+                      bool whole_sequences = false) {
   Plan plan;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
   std::vector<double> cost;
   for (int64_t b = 0; b < (int64_t)seqs.size(); ++b) {
     const Seq& s = seqs[b];
     const int64_t n = by_keys ? s.lk : s.lq;
+    ranges.clear();
     cost.clear();
-    for (int64_t r0 = 0; r0 < n; r0 += block) {
-      const int64_t r1 = std::min(n, r0 + block);
+    if (whole_sequences) {
+      if (s.lq > 0 || s.lk > 0) ranges.emplace_back(0, n);
+    } else {
+      for (int64_t r0 = 0; r0 < n; r0 += block) ranges.emplace_back(r0, std::min(n, r0 + block));
+    }
+    for (const auto& [r0, r1] : ranges) {
       double pairs = 0;
       if (!by_keys) {
         for (int64_t i = r0; i < r1; ++i) pairs += std::max<int64_t>(0, mask.hi(s, i) - mask.lo(s, i));
-      } else if (s.lq > 0) {
+      } else if (s.lq > 0 && r1 > r0) {
         for (int64_t i = mask.first_row(s, r0); i < mask.last_row(s, r1); ++i) {
           pairs += std::max<int64_t>(0, std::min(r1, mask.hi(s, i)) - std::max(r0, mask.lo(s, i)));
         }
       }
-      cost.push_back(sh.g * (pairs + 8.0 * (r1 - r0)) * (sh.d + sh.dv) + 2048.0);  // + fixed cost
+      const int64_t rows = whole_sequences ? s.lq + s.lk : r1 - r0;
+      cost.push_back(sh.g * (pairs + 8.0 * rows) * (sh.d + sh.dv) + 2048.0);  // + fixed cost
     }
     for (int64_t h = 0; h < sh.hkv; ++h) {
-      for (int64_t r = 0; r < (int64_t)cost.size(); ++r) {
-        plan.items.push_back({b, h, r * block, std::min(n, (r + 1) * block)});
+      for (size_t r = 0; r < ranges.size(); ++r) {
+        plan.items.push_back({b, h, ranges[r].first, ranges[r].second});
         plan.cost.push_back(cost[r]);
       }
     }
@@ -138,9 +147,10 @@ struct AmxRelease {
 };
 
 // Runs fn(item, workspace) for every item: thread t gets a contiguous run of items of about 1/threads of
-// the total cost. Which thread runs an item never changes what the item computes.
-template <typename W, typename F>
-void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) {
+// the total cost. Which thread runs an item never changes what the item computes. prefetch(next, item) is
+// called before each item with the one after it (or nullptr), to start loading its rows from memory.
+template <typename W, typename F, typename P>
+void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn, const P& prefetch) {
   const int64_t n = plan.items.size();
   if (n == 0) return;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -155,9 +165,27 @@ void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) 
     auto ws = make_workspace();
     const AmxRelease release{amx};
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i = bound[t]; i < bound[t + 1]; ++i) fn(plan.items[i], ws);
+      for (int64_t i = bound[t]; i < bound[t + 1]; ++i) {
+        prefetch(i + 1 < bound[t + 1] ? &plan.items[i + 1] : nullptr, plan.items[i]);
+        fn(plan.items[i], ws);
+      }
     }
   });
+}
+
+// Asks for rows [t0, t0 + n) of heads [h0, h0 + heads), `width` elements each, to be brought into the cache
+// (rows of one head lie a stride apart: the hardware's prefetchers do not follow them across pages).
+template <typename T>
+void prefetch_rows(const Rows<T>& x, int64_t t0, int64_t n, int64_t h0, int64_t heads, int64_t width) {
+  if (x.s2 != 1) return;
+  const bool together = x.s1 == width;  // the heads' rows of a token are one span
+  const int64_t span = (together ? heads * width : width) * (int64_t)sizeof(T);
+  for (int64_t r = t0; r < t0 + n; ++r) {
+    for (int64_t h = h0; h < h0 + (together ? 1 : heads); ++h) {
+      const char* p = reinterpret_cast<const char*>(x.at(r, h));
+      for (int64_t off = 0; off < span; off += 64) __builtin_prefetch(p + off, 0, 3);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
