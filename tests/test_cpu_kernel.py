@@ -136,13 +136,19 @@ def test_one_and_two_threads_give_the_same_bits(dtype, mask, layout):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_float64_is_refused_and_default_dispatch_does_not_pick_it_yet():
+def test_default_cpu_dispatch_picks_it_except_float64_and_decode():
     case = make_case([5, 2], [4, 6], dtype=torch.float64)
     assert "float64 runs on the cpu backend" in " ".join(cpu_kernel.supports(case_inputs(case)))
-    # By name only until it is faster than the cpu backend (benchmarks/README.md).
-    assert "cpu_kernel" not in dispatch.PRIORITY["cpu"]
-    assert dispatch.select(case_inputs(make_case([5, 2], [4, 6])), None, "test").NAME == "cpu"
-    assert dispatch.select(case_inputs(make_case([5, 2], [4, 6])), "cpu_kernel", "test").NAME == "cpu_kernel"
+    assert dispatch.select(case_inputs(case), None, "test").NAME == "cpu"
+    assert dispatch.PRIORITY["cpu"][:2] == ("cpu_kernel", "cpu")
+    assert dispatch.select(case_inputs(make_case([9, 2], [4, 6])), None, "test").NAME == "cpu_kernel"
+    # Decode: every sequence's query rows x heads per KV head <= 16 goes to cpu; by name the kernel runs it.
+    decode = case_inputs(make_case([1, 4, 0], [300, 90, 7], hq=8, hkv=2))
+    assert "decode batches" in cpu_kernel.declines(decode)
+    assert dispatch.select(decode, None, "test").NAME == "cpu"
+    assert dispatch.select(decode, "cpu_kernel", "test").NAME == "cpu_kernel"
+    mixed = case_inputs(make_case([1, 5, 0], [300, 90, 7], hq=8, hkv=2))
+    assert cpu_kernel.declines(mixed) is None and dispatch.select(mixed, None, "test").NAME == "cpu_kernel"
 
 
 class _Spy:

@@ -37,6 +37,13 @@ def reasons(backend: ModuleType, inp: AttentionInputs) -> list[str]:
     return [missing] if missing else list(backend.supports(inp))
 
 
+def passed_over(backend: ModuleType, inp: AttentionInputs) -> list[str]:
+    """Why automatic dispatch passes ``backend`` over for ``inp``: it cannot run them, or it declines them."""
+    why = reasons(backend, inp)
+    declined = None if why or not hasattr(backend, "declines") else backend.declines(inp)
+    return [declined] if declined else why
+
+
 def check_backend_name(name: object, where: str) -> None:
     if name is None:
         return
@@ -53,7 +60,7 @@ def candidates(device: torch.device) -> list[ModuleType]:
 
 def select(inp: AttentionInputs, name: str | None, where: str) -> ModuleType:
     """The backend to run: ``name`` if given (never replaced), else the first of the device's candidates
-    that supports ``inp``."""
+    that supports ``inp`` and does not decline it."""
     if name is not None:
         backend = BACKENDS[name]
         why = reasons(backend, inp)
@@ -63,7 +70,7 @@ def select(inp: AttentionInputs, name: str | None, where: str) -> ModuleType:
     report = []
     tried = candidates(inp.q.device)
     for backend in tried:
-        why = reasons(backend, inp)
+        why = passed_over(backend, inp)
         if not why:
             return backend
         report.append(f"  {backend.NAME}: " + "; ".join(why))

@@ -1,5 +1,7 @@
 """Backends: modules with ``NAME``, ``NATIVE_AUTOGRAD``, ``unavailable_reason()``, ``supports(inp)``,
-``forward(inp) -> (out, lse)`` and, unless ``NATIVE_AUTOGRAD``, ``backward(inp, out, lse, dout, dlse)``.
+``forward(inp) -> (out, lse)`` and, unless ``NATIVE_AUTOGRAD``, ``backward(inp, out, lse, dout, dlse)``;
+optionally ``declines(inp) -> str | None``: why automatic dispatch should pass inputs that the backend can
+run on to the next one (measured slower there; by name it still runs them).
 
 ``ALL`` is every backend, in the order ``packattn info`` lists them. ``PRIORITY`` is the order in which
 dispatch tries them for tensors of each device type (the first that supports the inputs wins); a backend
@@ -11,8 +13,9 @@ from . import cpu, cpu_kernel, flash_attn, npu, reference, sdpa, torch_varlen, t
 ALL = (cpu_kernel, cpu, npu, flash_attn, torch_varlen, triton, sdpa, reference)
 
 PRIORITY: dict[str, tuple[str, ...]] = {
-    # cpu_kernel runs by name only until it beats cpu (benchmarks/README.md: 0.3-0.8x of it on most workloads).
-    "cpu": ("cpu", "sdpa", "reference"),
+    # cpu_kernel: 1.1-3x the per-sequence SDPA loop, forward and backward (benchmarks/README.md); it declines
+    # decode batches, float64 is not its own: both go to cpu.
+    "cpu": ("cpu_kernel", "cpu", "sdpa", "reference"),
     "cuda": ("flash_attn", "torch_varlen", "triton", "sdpa", "reference"),
     "npu": ("npu", "reference"),
 }

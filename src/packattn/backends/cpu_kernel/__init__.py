@@ -41,6 +41,25 @@ def supports(inp: AttentionInputs) -> list[str]:
     return why
 
 
+# Query rows per (sequence, KV head) up to which a batch counts as decode: one padded block of the kernel's
+# products, with no K/V tile reused by a second block.
+DECODE_ROWS = 16
+
+
+def declines(inp: AttentionInputs) -> str | None:
+    """Decode batches (every sequence's query rows x query heads per KV head <= 16) go to the ``cpu``
+    backend in automatic dispatch: the kernel prepares every K/V tile for a few rows, and measured slower
+    there (W6 in benchmarks/README.md)."""
+    group = inp.q.shape[1] // inp.k.shape[1]
+    longest = inp.layout.max_q
+    if longest * group <= DECODE_ROWS:
+        return (
+            f"leaves decode batches to the cpu backend (at most {longest} query rows per sequence x {group} "
+            f"query heads per KV head <= {DECODE_ROWS}: faster there)"
+        )
+    return None
+
+
 def _offsets(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(inp.layout.host_q, dtype=torch.int64), torch.tensor(inp.layout.host_k, dtype=torch.int64)
 
