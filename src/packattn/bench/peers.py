@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import packattn
+from packattn import dispatch
 
 from .workloads import Workload
 
@@ -199,6 +200,9 @@ def packattn_backend(name: str | None):
     def prepare(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
         cu_q, cu_k = _device_offsets(wl, q.device)
         host_q, host_k = wl.cu_q, wl.cu_k
+        # A compiled backend builds on first use (cpu_kernel: about 30 s): here, not in a timed run.
+        for backend in [dispatch.BACKENDS[name]] if name else dispatch.candidates(q.device):
+            backend.unavailable_reason()
 
         def run() -> torch.Tensor:
             return packattn.varlen_attention(
@@ -218,12 +222,13 @@ def packattn_backend(name: str | None):
     return prepare
 
 
-# Name -> (prepare, is an external peer, device types it is run on by default; None: every device).
-# packattn's own backends are timed for context, not as peers.
+# Name -> (prepare, is an external peer, device types it is run on by default; None: every device, (): only
+# when named). packattn's own backends are timed for context, not as peers.
 IMPLEMENTATIONS: dict[str, tuple[Callable[..., tuple[Run, dict]], bool, tuple[str, ...] | None]] = {
     "packattn": (packattn_backend(None), False, None),
     "packattn triton": (packattn_backend("triton"), False, ("cuda",)),
-    "packattn cpu_kernel": (packattn_backend("cpu_kernel"), False, ("cpu",)),
+    "packattn cpu_kernel": (packattn_backend("cpu_kernel"), False, ()),  # default on CPU but for decode
+    "packattn cpu": (packattn_backend("cpu"), False, ()),
     "flash-attn": (flash_attn_varlen, True, ("cuda",)),
     "torch varlen": (torch_varlen, True, ("cuda",)),
     "per-seq SDPA": (per_sequence_sdpa, True, None),

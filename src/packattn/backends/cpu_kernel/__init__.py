@@ -1,15 +1,18 @@
-"""packattn's own compiled CPU kernel (``kernel.cpp`` beside this file), forward and backward.
+"""packattn's own compiled CPU kernel (the C++ sources beside this file), forward and backward.
 
 One call of the kernel runs the whole packed batch: work items of (sequence, KV head, block of query rows)
-balanced between threads by visible (query, key) pairs; the G query heads of a KV head share each K/V tile;
-tiles that the mask hides are skipped; the softmax is online (no ``(L, L)`` scores) in fp32. The backward
-recomputes the probabilities from the LSE (flash-attention 2) with dK/dV per key block and dQ per query
-block, so every gradient element has one writer: the same bits at any thread count.
+balanced between threads by visible (query, key) pairs; the G query heads of a KV head share each K/V tile,
+which is transposed and packed once per head; tiles that the mask hides are skipped; the softmax is online
+(no ``(L, L)`` scores) in fp32. The backward recomputes the probabilities from the LSE (flash-attention 2),
+in one pass per (sequence, KV head) when there are at least 4 of them per thread, else in two passes (dK/dV
+per key block, dQ per query block) that split a sequence between threads; either way every gradient element
+has one writer: the same bits at any thread count.
 
 Supports fp32, bf16 and fp16 with every mask option (causal, windows, softcap), GQA/MQA, ``Dv != D``,
-empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths. Compiled on first use
-(see :mod:`.build`, or ``packattn build`` ahead of time); when it cannot be built, ``unavailable_reason``
-says why and dispatch moves on to the ``cpu`` backend.
+empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths, and automatic dispatch
+leaves decode batches to ``cpu`` (:func:`declines`). Compiled on first use (see :mod:`.build`, or
+``packattn build`` ahead of time); when it cannot be built, ``unavailable_reason`` says why and dispatch
+moves on to the ``cpu`` backend.
 """
 
 from __future__ import annotations

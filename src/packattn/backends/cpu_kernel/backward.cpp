@@ -220,7 +220,6 @@ void run_backward(const BwdArgs<T>& a) {
     w.k.init(w.keep, key_tiles, kBwdKeys * dp);
     return w;
   };
-  const auto none = [](const Item*, const Item&) {};
   // One pass per (sequence, KV head) when there are enough of them to keep every thread busy: 5 products per
   // (query block, key tile). Else two passes, over key tiles (dK, dV) and query blocks (dQ), which split
   // one sequence between threads at the price of recomputing Q K^T and dO V^T (7 products). Both give the
@@ -232,13 +231,13 @@ void run_backward(const BwdArgs<T>& a) {
       w.dq = buffer(w.keep, query_blocks * mp * dp);
       return w;
     };
-    run_plan(whole, amx, fused, [&](const Item& it, BwdWork<E>& w) { sequence_item(it, w, a); }, none);
+    run_plan(whole, amx, fused, [&](const Item& it, BwdWork<E>& w) { sequence_item(it, w, a); });
     return;
   }
   run_plan(make_plan(a.seqs, a.mask, sh, kBwdKeys, true), amx, make,
-           [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); }, none);
+           [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); });
   run_plan(make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
-           [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); }, none);
+           [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); });
 }
 
 }  // namespace

@@ -117,20 +117,9 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
     w.v.init(w.keep, tiles, kFwdKeys * ldo);
     return w;
   };
-  // The next item's query rows and, when it starts another (sequence, head), its first key tile.
-  auto prefetch = [&](const Item* next, const Item& it) {
-    if (!next) return;
-    const Seq& s = seqs[next->b];
-    prefetch_rows(qr, s.q0 + next->r0, next->r1 - next->r0, next->h * sh.g, sh.g, sh.d);
-    if (next->b != it.b || next->h != it.h) {
-      const int64_t lo = mask.lo(s, next->r0) / kFwdKeys * kFwdKeys, n = std::min(s.lk, lo + kFwdKeys) - lo;
-      prefetch_rows(kr, s.k0 + lo, n, next->h, 1, sh.d);
-      prefetch_rows(vr, s.k0 + lo, n, next->h, 1, sh.dv);
-    }
-  };
   run_plan(plan, amx, make, [&](const Item& it, FwdWork<E>& w) {
     forward_item(it, w, seqs, mask, sh, qr, kr, vr, o, lse, hq, tq);
-  }, prefetch);
+  });
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 //
 // How: the batch is cut into work items of one sequence, one KV head (all G query heads that read it, stacked
 // as G x block rows, so every K/V tile is loaded once for the group) and one block of query rows (forward,
-// dQ) or keys (dK/dV). Items are split between threads by their count of visible (query, key) pairs, so
-// many short sequences and one long causal sequence both keep every thread busy. Within an item, tiles of
+// dQ) or keys (dK/dV), or the whole sequence (the one-pass backward). Items are split between threads by
+// their count of visible (query, key) pairs, so many short sequences and one long causal sequence both keep
+// every thread busy; a thread's items come in (sequence, head) order, and the tiles it prepares (K^T, V,
+// converted and packed) are kept for the next items of the same head (TileCache). Within an item, tiles of
 // keys that the mask hides entirely are never visited; scores live in one (rows x keys) tile per thread.
 // Products run on ATen's batch-reduce GEMM (cpublas::brgemm: oneDNN, else MKL): bf16 tiles packed to VNNI
 // on CPUs with matrix units (AMX), fp32 tiles everywhere else (fp16, and bf16 without AMX, are converted:
@@ -147,10 +149,9 @@ struct AmxRelease {
 };
 
 // Runs fn(item, workspace) for every item: thread t gets a contiguous run of items of about 1/threads of
-// the total cost. Which thread runs an item never changes what the item computes. prefetch(next, item) is
-// called before each item with the one after it (or nullptr), to start loading its rows from memory.
-template <typename W, typename F, typename P>
-void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn, const P& prefetch) {
+// the total cost. Which thread runs an item never changes what the item computes.
+template <typename W, typename F>
+void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) {
   const int64_t n = plan.items.size();
   if (n == 0) return;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -165,27 +166,9 @@ void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn, 
     auto ws = make_workspace();
     const AmxRelease release{amx};
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i = bound[t]; i < bound[t + 1]; ++i) {
-        prefetch(i + 1 < bound[t + 1] ? &plan.items[i + 1] : nullptr, plan.items[i]);
-        fn(plan.items[i], ws);
-      }
+      for (int64_t i = bound[t]; i < bound[t + 1]; ++i) fn(plan.items[i], ws);
     }
   });
-}
-
-// Asks for rows [t0, t0 + n) of heads [h0, h0 + heads), `width` elements each, to be brought into the cache
-// (rows of one head lie a stride apart: the hardware's prefetchers do not follow them across pages).
-template <typename T>
-void prefetch_rows(const Rows<T>& x, int64_t t0, int64_t n, int64_t h0, int64_t heads, int64_t width) {
-  if (x.s2 != 1) return;
-  const bool together = x.s1 == width;  // the heads' rows of a token are one span
-  const int64_t span = (together ? heads * width : width) * (int64_t)sizeof(T);
-  for (int64_t r = t0; r < t0 + n; ++r) {
-    for (int64_t h = h0; h < h0 + (together ? 1 : heads); ++h) {
-      const char* p = reinterpret_cast<const char*>(x.at(r, h));
-      for (int64_t off = 0; off < span; off += 64) __builtin_prefetch(p + off, 0, 3);
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
