@@ -1,7 +1,9 @@
 // Backward, flash-attention 2 style: the probabilities are recomputed from the LSE, tile by tile, in fp32.
-// dK and dV come from one item per (sequence, KV head, key block) that loops over the query rows seeing it;
-// dQ from one item per (sequence, KV head, query block) that loops over the keys it sees. Each gradient
-// element has one writer, so no reduction across threads.
+// With enough (sequence, KV head) pairs, one item per pair loops over its key tiles and, for each, the query
+// blocks that see it: dK and dV of the tile, and the tile's share of dQ added to per-block accumulators.
+// Else two passes split a sequence between threads: dK and dV from one item per (sequence, KV head, key
+// block), dQ from one item per (sequence, KV head, query block). Each gradient element has one writer, so no
+// reduction across threads.
 #include "kernel.h"
 
 namespace packattn_kernel {
@@ -71,13 +73,13 @@ std::tuple<BOperand, BOperand, BOperand> key_side(BwdWork<E>& w, const BwdArgs<T
                                                   int64_t tile, int64_t h, bool rows) {
   const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
   const int64_t d = a.sh.d, dv = a.sh.dv, dp = tile_width<E>(d), dvp = tile_width<E>(dv);
-  const E* kt = w.kt.get(b, h, tile, [&](E* p) { prepare_keys(a.k, s.k0 + j0, bk, h, d, dp, true, p, w.tmp, w.scratch); });
-  const E* vt = w.vt.get(b, h, tile, [&](E* p) { prepare_keys(a.v, s.k0 + j0, bk, h, dv, dvp, true, p, w.tmp, w.scratch); });
-  BOperand kr{nullptr, 0};
-  if (rows) {
-    kr = b_operand(w.k.get(b, h, tile, [&](E* p) { prepare_keys(a.k, s.k0 + j0, bk, h, d, dp, false, p, w.tmp, w.scratch); }),
-                   kp, dp);
-  }
+  const auto prepared = [&](TileCache<E>& cache, const Rows<T>& x, int64_t width, int64_t width_pad, bool t) {
+    return cache.get(b, h, tile,
+                     [&](E* p) { prepare_keys(x, s.k0 + j0, bk, h, width, width_pad, t, p, w.tmp, w.scratch); });
+  };
+  const E* kt = prepared(w.kt, a.k, d, dp, true);
+  const E* vt = prepared(w.vt, a.v, dv, dvp, true);
+  const BOperand kr = rows ? b_operand(prepared(w.k, a.k, d, dp, false), kp, dp) : BOperand{nullptr, 0};
   return {b_operand(kt, dp, kp), b_operand(vt, dvp, kp), kr};
 }
 

@@ -39,7 +39,8 @@ float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
   if (c < c1) {  // the tail: lanes past c1 are zero
     const int64_t cnt = c1 - c, cnt_a = std::min(cnt, kVec), cnt_b = cnt - cnt_a;
     const Vec a = Vec::set(zero, exp_softmax(score(Vec::loadu(row + c, cnt_a)) - shift), cnt_a);
-    const Vec b = cnt_b > 0 ? Vec::set(zero, exp_softmax(score(Vec::loadu(row + c + kVec, cnt_b)) - shift), cnt_b) : zero;
+    const Vec b =
+        cnt_b > 0 ? Vec::set(zero, exp_softmax(score(Vec::loadu(row + c + kVec, cnt_b)) - shift), cnt_b) : zero;
     sum = sum + a + b;
     store_pair(p + c, a, b, cnt);
   }
