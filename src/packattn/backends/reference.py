@@ -112,6 +112,14 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
+def delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """``rowsum(dout * out) - dlse`` as ``(Hq, Tq)`` in the compute dtype: every backward that recomputes the
+    probabilities from the LSE needs it, as d(score) = p * (dP - delta)."""
+    cdt = compute_dtype(out.dtype)
+    d = (dout.to(cdt) * out.to(cdt)).sum(-1).transpose(0, 1)
+    return d if dlse is None else d - dlse.to(cdt)
+
+
 def backward(
     inp: AttentionInputs,
     out: torch.Tensor,
@@ -123,10 +131,7 @@ def backward(
     q, k, v, mask = inp.q, inp.k, inp.v, inp.mask
     cdt = compute_dtype(q.dtype)
     hkv = inp.heads_kv
-    # d(out)/d(score) needs delta = rowsum(dout * out); an LSE gradient adds dlse * p to d(score).
-    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)  # (Tq, Hq)
-    if dlse is not None:
-        delta = delta - dlse.to(cdt).transpose(0, 1)
+    delta_t = delta(out, dout, dlse).transpose(0, 1)  # (Tq, Hq)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
     dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
@@ -147,7 +152,7 @@ def backward(
             dob = _grouped(dout[rows], hkv, cdt)
             lse_b = _grouped(lse_t[rows, :, None], hkv, cdt)
             lse_b = torch.where(torch.isinf(lse_b), torch.zeros_like(lse_b), lse_b)
-            delta_b = _grouped(delta[rows, :, None], hkv, cdt)
+            delta_b = _grouped(delta_t[rows, :, None], hkv, cdt)
             dqb = torch.zeros_like(qb)
             for j0, j1 in chunks:
                 kc, vc = kseq[:, j0:j1], vseq[:, j0:j1]

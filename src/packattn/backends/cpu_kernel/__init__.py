@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...inputs import AttentionInputs
+from .. import reference
 from . import build
 
 NAME = "cpu_kernel"
@@ -86,11 +87,8 @@ def backward(
     dlse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``q, k, v`` in their dtype, through ``out`` and (when given) the LSE."""
-    # d(score) = p * (dP - delta) with delta = rowsum(dout * out) - dlse, one (Hq, Tq) float32 row per head.
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1)
-    if dlse is not None:
-        delta = delta - dlse.float()
+    delta = reference.delta(out, dout, dlse).contiguous()  # (Hq, Tq) float32: fp64 never gets here
     dq, dk, dv = build.load().backward(
-        inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta.contiguous(), *_offsets(inp), *_mask_args(inp)
+        inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta, *_offsets(inp), *_mask_args(inp)
     )
     return dq.to(inp.q.dtype), dk.to(inp.k.dtype), dv.to(inp.v.dtype)

@@ -200,10 +200,7 @@ void run_backward(const BwdArgs<T>& a) {
   const Shape& sh = a.sh;
   const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
-  int64_t max_q = 0;
-  for (const Seq& s : a.seqs) max_q = std::max(max_q, s.lq);
-  const int64_t key_tiles = (max_keys(a.seqs) + kBwdKeys - 1) / kBwdKeys;
-  const int64_t query_blocks = (max_q + a.block_q - 1) / a.block_q;
+  const int64_t key_tiles = max_blocks(a.seqs, kBwdKeys, true), query_blocks = max_blocks(a.seqs, a.block_q, false);
   auto make = [&] {
     BwdWork<E> w;
     w.lse = buffer(w.keep, mp);

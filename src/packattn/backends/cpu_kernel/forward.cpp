@@ -103,7 +103,7 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
   T* o = out.data_ptr<T>();
   const int64_t hq = q.size(1), tq = q.size(0), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
-  const int64_t tiles = (max_keys(seqs) + kFwdKeys - 1) / kFwdKeys;
+  const int64_t tiles = max_blocks(seqs, kFwdKeys, true);
   auto make = [&] {
     FwdWork<E> w;
     w.s = buffer(w.keep, mp * kFwdKeys);

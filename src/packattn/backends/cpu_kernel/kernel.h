@@ -346,10 +346,11 @@ void TileCache<E>::init(std::vector<at::Tensor>& keep, int64_t blocks, int64_t s
   ready.assign(blocks, 0);
 }
 
-inline int64_t max_keys(const std::vector<Seq>& seqs) {
+// Blocks of `block` rows that cover the longest sequence's keys (by_keys) or query rows: a TileCache's size.
+inline int64_t max_blocks(const std::vector<Seq>& seqs, int64_t block, bool by_keys) {
   int64_t n = 0;
-  for (const Seq& s : seqs) n = std::max(n, s.lk);
-  return n;
+  for (const Seq& s : seqs) n = std::max(n, by_keys ? s.lk : s.lq);
+  return (n + block - 1) / block;
 }
 
 // Whether tiles of this dtype run in bf16 on the matrix units (else as fp32 tiles).

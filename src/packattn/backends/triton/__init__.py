@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 
 from ...inputs import AttentionInputs, compute_dtype
+from .. import reference
 
 NAME = "triton"
 NATIVE_AUTOGRAD = False
@@ -183,12 +184,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``q, k, v`` through ``out`` (and the LSE when ``dlse`` is given), in the inputs' dtype."""
     q, k, v = inp.q.detach(), inp.k.detach(), inp.v.detach()
-    acc = compute_dtype(q.dtype)
-    # d score = p * (dp - delta) with delta = rowsum(dout * out) - dlse.
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)
-    if dlse is not None:
-        delta = delta - dlse.to(acc)
-    delta, lse = delta.contiguous(), lse.contiguous()
+    delta, lse = reference.delta(out, dout, dlse).contiguous(), lse.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
