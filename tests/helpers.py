@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 import packattn
 from packattn import dispatch
+from packattn.backends.base import Backend
 from packattn.inputs import AttentionInputs, check_mask, compute_dtype
 from packattn.layout import SeqLayout
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
 # Where the backend tests put their tensors: CPU here; PACKATTN_TEST_DEVICE=cuda (or npu) on such a machine.
 DEVICE = torch.device(os.environ.get("PACKATTN_TEST_DEVICE", "cpu"))
+
+
+def point_at(monkeypatch: pytest.MonkeyPatch, backend: Backend, device_type: str) -> None:
+    """Declare ``backend`` to run on ``device_type`` for one test: interface models of device kernels take
+    CPU tensors."""
+    monkeypatch.setattr(backend, "capabilities", replace(backend.capabilities, devices=(device_type,)))
 
 
 def offsets(lengths: list[int]) -> list[int]:

@@ -204,10 +204,11 @@ def test_explicit_backend_under_compile(backend):
 
 
 def op_args(case: Case, *, need_lse: bool, host: bool) -> tuple[object, ...]:
-    """Arguments of the forward op: causal, default dispatch, the LSE returned when ``need_lse``."""
+    """Arguments of the forward op: causal, default dispatch, the LSE returned (and gradients asked for) when
+    ``need_lse``, not deterministic."""
     hosts = (case.cu_q, case.cu_k) if host else (None, None)
     scale = case.q.shape[2] ** -0.5
-    return (case.q, case.k, case.v, *case.tensors(), *hosts, scale, -1, 0, 0.0, need_lse, need_lse, None)
+    return (case.q, case.k, case.v, *case.tensors(), *hosts, scale, -1, 0, 0.0, need_lse, need_lse, False, None)
 
 
 @pytest.mark.parametrize("need_lse", [True, False], ids=["lse", "no-lse"])
@@ -218,7 +219,7 @@ def test_opcheck_forward(need_lse, host):
 
 
 def test_opcheck_backward():
-    # Default dispatch (the cpu backend's backward). The native-autograd (sdpa) backward runs torch.func.vjp
+    # Default dispatch (the cpu_kernel backend's backward). The autograd route's (sdpa's) backward runs torch.func.vjp
     # inside the op, whose tensor wrappers opcheck's dispatch modes cannot look into; its gradients are
     # compared with eager under compile in test_explicit_backend_under_compile.
     case = make_case([5, 0, 7], [9, 8, 8], hq=4, hkv=2, d=16, dv=8)
@@ -226,7 +227,9 @@ def test_opcheck_backward():
     out, lse = ops.varlen_attention_fwd(*args)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5))
-    torch.library.opcheck(ops.varlen_attention_bwd, (dout, dlse, *args[:3], out, lse, *args[3:12], None))
+    # The backward op takes the forward's options but ``grad`` (it is the gradient).
+    options = (*args[3:12], args[13], None)
+    torch.library.opcheck(ops.varlen_attention_bwd, (dout, dlse, *args[:3], out, lse, *options))
 
 
 def test_inductor_compiles_a_small_function():

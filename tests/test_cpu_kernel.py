@@ -22,8 +22,8 @@ from .helpers import DEVICE, case_inputs, check_backward, check_forward, make_ca
 from .test_properties import BOUNDED, layouts
 
 pytestmark = pytest.mark.skipif(
-    DEVICE.type != "cpu" or cpu_kernel.unavailable_reason() is not None,
-    reason=f"the cpu_kernel backend runs on CPU when built: {cpu_kernel.unavailable_reason()}",
+    DEVICE.type != "cpu" or cpu_kernel.BACKEND.unavailable_reason() is not None,
+    reason=f"the cpu_kernel backend runs on CPU when built: {cpu_kernel.BACKEND.unavailable_reason()}",
 )
 
 MASKS = {
@@ -138,17 +138,19 @@ def test_one_and_two_threads_give_the_same_bits(dtype, mask, layout):
 
 def test_default_cpu_dispatch_picks_it_except_float64_and_decode():
     case = make_case([5, 2], [4, 6], dtype=torch.float64)
-    assert "float64 runs on the cpu backend" in " ".join(cpu_kernel.supports(case_inputs(case)))
-    assert dispatch.select(case_inputs(case), None, "test").NAME == "cpu"
+    assert "cpu_kernel takes float32, bfloat16 or float16 only, got torch.float64" in cpu_kernel.BACKEND.supports(
+        case_inputs(case)
+    )
+    assert dispatch.select(case_inputs(case), None, "test").name == "cpu"
     assert dispatch.PRIORITY["cpu"][:2] == ("cpu_kernel", "cpu")
-    assert dispatch.select(case_inputs(make_case([9, 2], [4, 6])), None, "test").NAME == "cpu_kernel"
+    assert dispatch.select(case_inputs(make_case([9, 2], [4, 6])), None, "test").name == "cpu_kernel"
     # Decode: every sequence's query rows x heads per KV head <= 16 goes to cpu; by name the kernel runs it.
     decode = case_inputs(make_case([1, 4, 0], [300, 90, 7], hq=8, hkv=2))
-    assert "decode batches" in cpu_kernel.declines(decode)
-    assert dispatch.select(decode, None, "test").NAME == "cpu"
-    assert dispatch.select(decode, "cpu_kernel", "test").NAME == "cpu_kernel"
+    assert "decode batches" in cpu_kernel.BACKEND.declines(decode)
+    assert dispatch.select(decode, None, "test").name == "cpu"
+    assert dispatch.select(decode, "cpu_kernel", "test").name == "cpu_kernel"
     mixed = case_inputs(make_case([1, 5, 0], [300, 90, 7], hq=8, hkv=2))
-    assert cpu_kernel.declines(mixed) is None and dispatch.select(mixed, None, "test").NAME == "cpu_kernel"
+    assert cpu_kernel.BACKEND.declines(mixed) is None and dispatch.select(mixed, None, "test").name == "cpu_kernel"
 
 
 class _Spy:
@@ -210,7 +212,7 @@ FALLBACK_CHECK = """
 import torch, packattn
 from packattn import dispatch
 from packattn.backends import cpu_kernel
-print("REASON", cpu_kernel.unavailable_reason())
+print("REASON", cpu_kernel.BACKEND.unavailable_reason())
 q = torch.randn(7, 2, 8); k = torch.randn(9, 2, 8); v = torch.randn(9, 2, 8)
 cu_q = torch.tensor([0, 3, 7]); cu_k = torch.tensor([0, 4, 9])
 out = packattn.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
@@ -219,7 +221,7 @@ print("CLOSE", torch.allclose(out, ref, atol=1e-5))
 from packattn.inputs import AttentionInputs, MaskSpec
 from packattn.layout import SeqLayout
 inp = AttentionInputs(q, k, v, SeqLayout.build(cu_q, cu_k, 7, 9), MaskSpec(scale=0.3))
-print("CHOSEN", dispatch.select(inp, None, "test").NAME)
+print("CHOSEN", dispatch.select(inp, None, "test").name)
 from packattn import cli
 cli.main(["info"])
 """

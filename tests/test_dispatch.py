@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,25 +11,29 @@ import torch
 import packattn
 from packattn import cli, dispatch
 from packattn.backends import ALL
+from packattn.backends.base import Backend
 from packattn.inputs import AttentionInputs
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
 from .helpers import Case, backend_reasons, case_inputs, make_case
 
 
-def fake_backend(name: str, *, missing: str | None = None, refuse: list[str] | None = None) -> SimpleNamespace:
+def fake_backend(backend_name: str, *, missing: str | None = None, refuse: list[str] | None = None) -> Backend:
     """A backend that is not installed (``missing``) or refuses every input (``refuse``); it never runs."""
 
-    def forward(inp: AttentionInputs) -> None:
-        raise AssertionError(f"{name} ran")
+    class Fake(Backend):
+        name = backend_name
 
-    return SimpleNamespace(
-        NAME=name,
-        NATIVE_AUTOGRAD=False,
-        unavailable_reason=lambda: missing,
-        supports=lambda inp: list(refuse or []),
-        forward=forward,
-    )
+        def unavailable_reason(self) -> str | None:
+            return missing
+
+        def special_reasons(self, inp: AttentionInputs) -> list[str]:
+            return list(refuse or [])
+
+        def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+            raise AssertionError(f"{backend_name} ran")
+
+    return Fake()
 
 
 NOT_INSTALLED = fake_backend("fake_npu", missing="torch_npu is not installed")
@@ -42,7 +45,7 @@ def fakes_first(monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
     """Registry with two backends that cannot run ahead of the real ones."""
     backends = (NOT_INSTALLED, REFUSES, *ALL)
     monkeypatch.setattr(dispatch, "ALL", backends)
-    monkeypatch.setattr(dispatch, "BACKENDS", {b.NAME: b for b in backends})
+    monkeypatch.setattr(dispatch, "BACKENDS", {b.name: b for b in backends})
     monkeypatch.setitem(dispatch.PRIORITY, "cpu", ("fake_npu", "fake_gpu", *dispatch.PRIORITY["cpu"]))
     return backends
 
@@ -56,7 +59,7 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         def spy(inp, _backend=backend, _forward=backend.forward):
             if depth[0] == 0:
-                calls.append(_backend.NAME)
+                calls.append(_backend.name)
             depth[0] += 1
             try:
                 return _forward(inp)
@@ -79,7 +82,7 @@ def run(case: Case = CASE, **kwargs: object) -> torch.Tensor | tuple[torch.Tenso
 
 def test_info_lists_every_backend_in_priority_order():
     rows = packattn.info()
-    assert [r.name for r in rows] == [b.NAME for b in ALL]
+    assert [r.name for r in rows] == [b.name for b in ALL]
     assert sorted(r.name for r in rows) == sorted(dispatch.BACKENDS)
     for row, backend in zip(rows, ALL, strict=True):
         assert isinstance(row, packattn.BackendInfo)
@@ -93,7 +96,7 @@ def test_info_explains_unavailable_backends(fakes_first):
     rows = {r.name: r for r in packattn.info()}
     assert rows["fake_npu"] == packattn.BackendInfo("fake_npu", False, "torch_npu is not installed")
     assert rows["fake_gpu"].available and rows["fake_gpu"].reason is None
-    assert list(rows) == [b.NAME for b in fakes_first]
+    assert list(rows) == [b.name for b in fakes_first]
 
 
 def test_cli_info_prints_every_backend(fakes_first, capsys):
@@ -101,7 +104,7 @@ def test_cli_info_prints_every_backend(fakes_first, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"packattn on torch {torch.__version__}")
     states = [line.split(maxsplit=1) for line in lines[1:]]
-    assert [name for name, _ in states] == [b.NAME for b in fakes_first]
+    assert [name for name, _ in states] == [b.name for b in fakes_first]
     assert states[0][1] == "unavailable: torch_npu is not installed"
     rows = {r.name: r for r in packattn.info()}
     for name, state in states:
@@ -116,7 +119,7 @@ def test_python_m_packattn_info():
     lines = res.stdout.splitlines()
     assert lines[0].startswith("packattn on torch ")
     states = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines[1:]}
-    assert list(states) == [b.NAME for b in ALL]
+    assert list(states) == [b.name for b in ALL]
     for row in packattn.info():
         assert states[row.name] == ("available" if row.available else f"unavailable: {row.reason}")
 
@@ -133,12 +136,12 @@ def test_python_m_packattn_info():
 def test_default_dispatch_picks_first_backend_that_can_run(mask, return_lse, ran):
     chosen = dispatch.select(case_inputs(CASE, return_lse, **mask), None, "test")
     assert chosen.unavailable_reason() is None
-    assert backend_reasons(chosen.NAME, CASE, return_lse, **mask) == []
+    assert backend_reasons(chosen.name, CASE, return_lse, **mask) == []
     tried = dispatch.candidates(CASE.q.device)
     for earlier in tried[: tried.index(chosen)]:
         assert dispatch.passed_over(earlier, case_inputs(CASE, return_lse, **mask))
     res = run(return_lse=return_lse, **mask)
-    assert ran == [chosen.NAME]
+    assert ran == [chosen.name]
     out = res[0] if return_lse else res
     ref_out, _ = oracle(CASE.q, CASE.k, CASE.v, CASE.cu_q, CASE.cu_k, **mask)
     pt_out, _ = attention_naive(CASE.q, CASE.k, CASE.v, CASE.cu_q, CASE.cu_k, **mask)
@@ -153,12 +156,12 @@ def test_default_dispatch_skips_backends_that_cannot_run(fakes_first, ran):
     with_lse = dispatch.select(case_inputs(CASE, True), None, "test")
     assert with_lse is next(b for b in tried if not dispatch.passed_over(b, case_inputs(CASE, True)))
     run()
-    assert ran == [plain.NAME]
+    assert ran == [plain.name]
 
 
 def test_no_backend_can_run_lists_every_backend_tried_and_why(fakes_first, monkeypatch):
     for backend in ALL:
-        monkeypatch.setattr(backend, "supports", lambda inp, _n=backend.NAME: [f"{_n} refuses for this test"])
+        monkeypatch.setattr(backend, "supports", lambda inp, _n=backend.name: [f"{_n} refuses for this test"])
     tried = dispatch.candidates(CASE.q.device)
     with pytest.raises(ValueError) as info:
         run(causal=True)
@@ -167,9 +170,9 @@ def test_no_backend_can_run_lists_every_backend_tried_and_why(fakes_first, monke
     expected = [
         "  fake_npu: torch_npu is not installed",
         "  fake_gpu: the inputs are on cpu, not on a GPU; head_dim=16 is too small",
-        *[f"  {b.NAME}: {b.unavailable_reason() or f'{b.NAME} refuses for this test'}" for b in tried[2:]],
+        *[f"  {b.name}: {b.unavailable_reason() or f'{b.name} refuses for this test'}" for b in tried[2:]],
     ]
-    others = [b.NAME for b in fakes_first if b not in tried]
+    others = [b.name for b in fakes_first if b not in tried]
     assert lines[1:] == expected + ([f"(not tried on cpu, only by name: {', '.join(others)})"] if others else [])
 
 
@@ -178,8 +181,8 @@ def test_priority_names_registered_backends_once_per_device():
         assert len(set(names)) == len(names), device
         assert set(names) <= set(dispatch.BACKENDS), device
         assert names[-1] == "reference", f"{device}: the exact reference path must be the last resort"
-    assert [b.NAME for b in dispatch.candidates(torch.device("cpu"))] == list(dispatch.PRIORITY["cpu"])
-    assert [b.NAME for b in dispatch.candidates(torch.device("meta"))] == list(dispatch.OTHER_DEVICES)
+    assert [b.name for b in dispatch.candidates(torch.device("cpu"))] == list(dispatch.PRIORITY["cpu"])
+    assert [b.name for b in dispatch.candidates(torch.device("meta"))] == list(dispatch.OTHER_DEVICES)
 
 
 # explicit backend ---------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 import re
 import traceback
-import types
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 
 from packattn import dispatch
 from packattn.backends import reference
+from packattn.backends.base import Backend
 from packattn.bench import distributed as bench
 from packattn.bench.distributed import Setting, measure
 from packattn.distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
@@ -202,22 +202,6 @@ def case_no_grad_and_unshard(group: Any, *, method: str) -> None:
     assert x.grad is not None and torch.allclose(x.grad, plan.world_size * plan.shard_k(weights))
 
 
-def case_native_autograd_backend(group: Any) -> None:
-    """A backend with only native autograd gets its block gradients by recomputation."""
-    fake = types.SimpleNamespace(
-        NAME="native_reference",
-        NATIVE_AUTOGRAD=True,
-        unavailable_reason=lambda: None,
-        supports=lambda inp: [],
-        forward=reference.forward,
-    )
-    dispatch.BACKENDS["native_reference"] = fake  # type: ignore[assignment]
-    try:
-        case_matches_single_process(group, method="ring", balance="zigzag", mask="causal", backend="native_reference")
-    finally:
-        del dispatch.BACKENDS["native_reference"]
-
-
 def case_device_priority(group: Any, *, method: str) -> None:
     """Ring and Ulysses pick each block's backend through the device's dispatch order: a backend put first
     for CPU tensors (as a CUDA or NPU backend is for its device) runs every block, forward and backward."""
@@ -230,14 +214,12 @@ def case_device_priority(group: Any, *, method: str) -> None:
 
         return run
 
-    fake = types.SimpleNamespace(
-        NAME="device_first",
-        NATIVE_AUTOGRAD=False,
-        unavailable_reason=lambda: None,
-        supports=lambda inp: [],
-        forward=counting("forward"),
-        backward=counting("backward"),
-    )
+    class DeviceFirst(Backend):
+        name = "device_first"
+        forward = staticmethod(counting("forward"))
+        backward = staticmethod(counting("backward"))
+
+    fake = DeviceFirst()
     with (
         mock.patch.dict(dispatch.BACKENDS, {"device_first": fake}),
         mock.patch.dict(dispatch.PRIORITY, {"cpu": ("device_first", *dispatch.PRIORITY["cpu"])}),
@@ -344,14 +326,12 @@ def case_ring_skips_hidden_blocks(group: Any) -> None:
 
         return run
 
-    spy = types.SimpleNamespace(
-        NAME="counting",
-        NATIVE_AUTOGRAD=False,
-        unavailable_reason=lambda: None,
-        supports=reference.supports,
-        forward=counting("forward", reference.forward),
-        backward=counting("backward", reference.backward),
-    )
+    class Counting(Backend):
+        name = "counting"
+        forward = staticmethod(counting("forward", reference.forward))
+        backward = staticmethod(counting("backward", reference.backward))
+
+    spy = Counting()
     w, r = dist.get_world_size(group), dist.get_rank(group)
     plan = ShardPlan.build([0, 64, 128], [0, 64, 128], world_size=w, rank=r, balance="contiguous")
     x = torch.randn(plan.local_q, 2, 8, requires_grad=True)
@@ -387,7 +367,6 @@ CASES = {
     "benchmark": case_benchmark_runs,
     "matches": case_matches_single_process,
     "no_grad_and_unshard": case_no_grad_and_unshard,
-    "native_autograd": case_native_autograd_backend,
     "device_priority": case_device_priority,
     "errors": case_errors,
     "not_a_member": case_not_a_member,
@@ -450,10 +429,6 @@ def test_sequences_all_shorter_than_world_size(cluster):
 @pytest.mark.parametrize("method", METHODS)
 def test_no_grad_and_unshard(cluster, method):
     cluster.run("no_grad_and_unshard", "ws3", method=method)
-
-
-def test_backend_with_native_autograd_only(cluster):
-    cluster.run("native_autograd", "ws2")
 
 
 @pytest.mark.parametrize("method", METHODS)

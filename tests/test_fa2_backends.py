@@ -22,10 +22,10 @@ from torch.nn.attention import varlen as torch_varlen_module
 
 import packattn
 from packattn import dispatch
-from packattn.backends import fa2_convention, flash_attn, torch_varlen
+from packattn.backends import flash_attn, torch_varlen
 from packattn.testing import oracle
 
-from .helpers import assert_matches_oracle, case_inputs, check_backward, make_case
+from .helpers import assert_matches_oracle, case_inputs, check_backward, make_case, point_at
 
 CALLS: list[dict[str, object]] = []
 
@@ -78,7 +78,8 @@ def models(monkeypatch):
     fake.flash_attn_varlen_func = fake_flash_attn_varlen_func  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setattr(torch_varlen_module, "varlen_attn", fake_varlen_attn)
-    monkeypatch.setattr(fa2_convention, "DEVICE_TYPE", "cpu")
+    for backend in (flash_attn.BACKEND, torch_varlen.BACKEND):
+        point_at(monkeypatch, backend, "cpu")
     for cached in (flash_attn._varlen_func, torch_varlen._module):
         cached.cache_clear()
     CALLS.clear()
@@ -152,9 +153,9 @@ def test_backward_is_exact_and_takes_the_lse_gradient(models, name):
 
 
 REFUSALS = [
-    ("fp32", {"dtype": torch.float32}, {}, "runs float16/bfloat16 only, got torch.float32"),
-    ("dv", {"dv": 8}, {}, "needs v's head_dim equal to q's, got 8 and 16"),
-    ("head_dim", {"d": 288}, {}, "head_dim=288 > 256 (max supported by"),
+    ("fp32", {"dtype": torch.float32}, {}, "takes float16 or bfloat16 only, got torch.float32"),
+    ("dv", {"dv": 8}, {}, "needs v's head_dim equal to q's, got D=16 and Dv=8"),
+    ("head_dim", {"d": 288}, {}, "takes head dims up to 256, got D=288 and Dv=288"),
 ]
 
 
@@ -170,13 +171,13 @@ def test_refusals_name_the_limit(models, name, case_options, mask, fragment):
 def test_dispatch_takes_them_first_and_falls_back_past_their_limits(models, monkeypatch):
     monkeypatch.setitem(dispatch.PRIORITY, "cpu", ("flash_attn", "torch_varlen", "reference"))
     half = make_case([3, 4], [5, 2], hq=2, hkv=2, d=16, dtype=torch.float16)
-    assert dispatch.select(case_inputs(half), None, "t").NAME == "flash_attn"
-    assert dispatch.select(case_inputs(half, softcap=1.0), None, "t").NAME == "flash_attn"
-    monkeypatch.setattr(flash_attn, "unavailable_reason", lambda: "flash_attn is not installed")
-    assert dispatch.select(case_inputs(half), None, "t").NAME == "torch_varlen"
-    assert dispatch.select(case_inputs(half, softcap=1.0), None, "t").NAME == "reference"
+    assert dispatch.select(case_inputs(half), None, "t").name == "flash_attn"
+    assert dispatch.select(case_inputs(half, softcap=1.0), None, "t").name == "flash_attn"
+    monkeypatch.setattr(flash_attn.BACKEND, "unavailable_reason", lambda: "flash_attn is not installed")
+    assert dispatch.select(case_inputs(half), None, "t").name == "torch_varlen"
+    assert dispatch.select(case_inputs(half, softcap=1.0), None, "t").name == "reference"
     single = make_case([3, 4], [5, 2], hq=2, hkv=2, d=16, dtype=torch.float32)
-    assert dispatch.select(case_inputs(single), None, "t").NAME == "reference"
+    assert dispatch.select(case_inputs(single), None, "t").name == "reference"
 
 
 def test_torch_varlen_refuses_softcap_and_flash_attn_gqa_decode_bug(models):

@@ -21,7 +21,7 @@ from packattn.backends import npu
 from packattn.testing import assert_close_to_oracle, attention_naive
 
 from . import npu_model
-from .helpers import DEVICE, case_inputs, check_backward, check_forward, make_case
+from .helpers import DEVICE, case_inputs, check_backward, check_forward, make_case, point_at
 
 REAL = DEVICE.type == "npu"
 model_only = pytest.mark.skipif(REAL, reason="reads the CPU interface model's call log")
@@ -34,7 +34,7 @@ def ops(monkeypatch: pytest.MonkeyPatch) -> npu_model.Model | None:
         return None
     model, module = npu_model.module()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
-    monkeypatch.setattr(npu, "DEVICE_TYPE", "cpu")
+    point_at(monkeypatch, npu.BACKEND, "cpu")
     return model
 
 
@@ -185,10 +185,10 @@ def test_batches_beyond_the_limits_are_split(ops, monkeypatch):
 
 REFUSED = {
     "softcap": ({}, {"softcap": 2.0}, "no soft-capping (softcap=2.0)"),
-    "fp64": ({"dtype": torch.float64}, {}, "float16, bfloat16 or float32, got torch.float64"),
-    "dv_larger": ({"d": 16, "dv": 40}, {}, "needs Dv <= D, got D=16 and Dv=40"),
-    "head_dim": ({"d": 800}, {}, "head_dim=800 > 768"),
-    "heads": ({"hq": 260, "hkv": 1}, {}, "260 query heads > 256"),
+    "fp64": ({"dtype": torch.float64}, {}, "takes float16, bfloat16 or float32 only, got torch.float64"),
+    "dv_larger": ({"d": 16, "dv": 40}, {}, "needs v's head_dim at most q's, got D=16 and Dv=40"),
+    "head_dim": ({"d": 800}, {}, "takes head dims up to 768, got D=800 and Dv=800"),
+    "heads": ({"hq": 260, "hkv": 1}, {}, "takes at most 256 query heads, got 260"),
 }
 
 
@@ -196,7 +196,7 @@ REFUSED = {
 def test_refusals_name_the_reason(name):
     change, mask, fragment = REFUSED[name]
     case = make_case([3, 0], [4, 2], **{"hq": 2, "hkv": 1, "d": 16, **change})
-    assert any(fragment in r for r in npu.supports(case_inputs(case, **mask)))
+    assert any(fragment in r for r in npu.BACKEND.supports(case_inputs(case, **mask)))
     with pytest.raises(ValueError, match="backend='npu' cannot run these inputs") as info:
         packattn.varlen_attention(case.q, case.k, case.v, *case.tensors(), backend="npu", **mask)
     assert fragment in str(info.value)
@@ -204,18 +204,18 @@ def test_refusals_name_the_reason(name):
 
 @model_only
 def test_other_devices_are_refused_and_npu_dispatch_order(monkeypatch):
-    monkeypatch.setattr(npu, "DEVICE_TYPE", "npu")
-    why = npu.supports(case_inputs(make_case([3], [4])))
-    assert why == ["runs on npu tensors only, got cpu"]
+    point_at(monkeypatch, npu.BACKEND, "npu")
+    why = npu.BACKEND.supports(case_inputs(make_case([3], [4])))
+    assert why == ["npu_fusion_attention runs on npu tensors only, got cpu"]
     on_npu = SimpleNamespace(type="npu")  # torch.device("npu") exists only once torch_npu is imported
-    assert [b.NAME for b in dispatch.candidates(on_npu)] == ["npu", "reference"]  # type: ignore[arg-type]
+    assert [b.name for b in dispatch.candidates(on_npu)] == ["npu", "reference"]  # type: ignore[arg-type]
     assert npu not in dispatch.candidates(torch.device("cpu"))
 
 
 def test_unavailable_without_torch_npu(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     monkeypatch.setattr(npu.importlib.util, "find_spec", lambda name: None)
-    assert npu.unavailable_reason() == "torch_npu is not installed"
+    assert npu.BACKEND.unavailable_reason() == "torch_npu is not installed"
 
 
 def test_importing_packattn_does_not_import_torch_npu():

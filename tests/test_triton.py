@@ -95,14 +95,14 @@ def test_refusals_name_the_reason(monkeypatch):
     case = make_case([3, 2], [4, 1], hq=2, hkv=1, d=8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if DEVICE.type == "cpu":
-        assert tri.supports(case_inputs(case)) == [
+        assert tri.BACKEND.supports(case_inputs(case)) == [
             "CPU tensors run only under Triton's interpreter (set TRITON_INTERPRET=1)"
         ]
     wide = make_case([3], [4], d=264)
-    assert "head_dim=264, head_dim_v=264: at most 256 supported" in tri.supports(case_inputs(wide))
+    assert "triton takes head dims up to 256, got D=264 and Dv=264" in tri.BACKEND.supports(case_inputs(wide))
     meta = case_inputs(case)
     meta = type(meta)(meta.q.to("meta"), meta.k.to("meta"), meta.v.to("meta"), meta.layout, meta.mask)
-    assert tri.supports(meta) == ["runs on CUDA tensors only, got meta"]
+    assert tri.BACKEND.supports(meta) == ["triton runs on CUDA or CPU tensors only, got meta"]
 
 
 def test_dispatch_tries_it_on_cuda_only():

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Literal, cast, overload
 
 import torch
 
 from . import dispatch, ops
-from .inputs import AttentionInputs, MaskSpec, check_mask, check_tensors
+from .inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, needs_grad
 from .layout import SeqLayout, check_traced
 
 __all__ = ["varlen_attention"]
@@ -159,14 +159,16 @@ def run_attention(
     return_lse: bool,
     backend: str | None,
     where: str,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`varlen_attention`, with eager error messages that start with ``where`` (the compat layer's names;
-    checks that run inside the op under ``torch.compile`` name ``varlen_attention``)."""
+    checks that run inside the op under ``torch.compile`` name ``varlen_attention``). ``deterministic``: the
+    gradients must be the same bits run to run (dispatch takes only backends whose backward route is)."""
     mask = check_call(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         return_lse=return_lse, backend=backend, where=where,
     )  # fmt: skip
-    need_lse = return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    grad = needs_grad(q, k, v)
     if torch.compiler.is_compiling():
         # Traced: no offset values here (they would become guards); the op checks them and dispatches.
         host_q, host_k = check_traced(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_host, cu_seqlens_k_host, where)
@@ -181,21 +183,21 @@ def run_attention(
             cu_seqlens_k_host=cu_seqlens_k_host,
             where=where,
         )
-        inp = AttentionInputs(q, k, v, layout, mask, return_lse)
+        inp = AttentionInputs(q, k, v, layout, mask, return_lse, grad, deterministic)
         chosen = dispatch.select(inp, backend, where)
-        if chosen.NATIVE_AUTOGRAD or not inp.requires_grad:
-            # Its own PyTorch autograd, or no autograd at all: no op in between (its dispatch costs 0.05-0.2 ms).
-            # The op carries gradients here and runs every call under torch.compile.
+        if not grad or dispatch.uses_autograd(chosen, inp):
+            # No autograd at all, or PyTorch's through the backend's forward: no op in between (its dispatch
+            # has a cost per call). The op carries gradients otherwise, and runs every call under torch.compile.
             out, lse = chosen.forward(inp)
-            return (out, lse) if return_lse else out
-        host_q, host_k, name = list(layout.host_q), list(layout.host_k), chosen.NAME
+            return (out, cast(torch.Tensor, lse)) if return_lse else out  # with return_lse, never None
+        host_q, host_k, name = list(layout.host_q), list(layout.host_k), chosen.name
         # Offsets on the meta device hold no values; the op gets the trusted host copies as tensors.
         cu_seqlens_q, cu_seqlens_k = (
             _valued(cu, h, q.device) for cu, h in ((layout.cu_q, host_q), (layout.cu_k, host_k))
         )
     out, lse = ops.varlen_attention_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, host_q, host_k, mask.scale, mask.left, mask.right, mask.softcap,
-        return_lse, need_lse, name,
+        return_lse, grad, deterministic, name,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -19,6 +19,12 @@ class MaskSpec:
 
     Query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sees key ``j`` iff
     ``i + Lk - Lq - left <= j <= i + Lk - Lq + right`` (a bound of -1 is unbounded). Causal is ``right=0``.
+
+    This class is the one place in Python that answers geometry questions about the mask (which keys a
+    block of rows sees, which rows a block of keys reaches, how many pairs are visible); the float64 oracle
+    in :mod:`packattn.testing` builds its masks independently, so that it checks these answers. Every method
+    takes an optional ``offset``, the diagonal ``j - i`` that a row and key of the same "position" have
+    (``Lk - Lq`` for a whole sequence): a sub-box of a sequence (ring attention's pieces) passes its own.
     """
 
     scale: float
@@ -34,36 +40,62 @@ class MaskSpec:
     def masked(self) -> bool:
         return self.left >= 0 or self.right >= 0
 
-    def key_range(self, i0: int, i1: int, lq: int, lk: int) -> tuple[int, int]:
+    def band(self, lq: int, lk: int, offset: int | None = None) -> tuple[int | None, int | None]:
+        """The visible pairs as a band ``lo <= j - i <= hi`` (``None``: unbounded on that side)."""
+        off = lk - lq if offset is None else offset
+        return (None if self.left < 0 else off - self.left), (None if self.right < 0 else off + self.right)
+
+    def key_range(self, i0: int, i1: int, lq: int, lk: int, offset: int | None = None) -> tuple[int, int]:
         """Keys ``[lo, hi)`` that any of the query rows ``[i0, i1)`` may see (clamped to ``[0, lk)``)."""
-        off = lk - lq
-        lo = 0 if self.left < 0 else max(0, i0 + off - self.left)
-        hi = lk if self.right < 0 else min(lk, i1 - 1 + off + self.right + 1)
+        lo_d, hi_d = self.band(lq, lk, offset)
+        lo = 0 if lo_d is None else min(lk, max(0, i0 + lo_d))
+        hi = lk if hi_d is None else min(lk, i1 + hi_d)
         return lo, max(lo, hi)
 
-    def query_range(self, j0: int, j1: int, lq: int, lk: int) -> tuple[int, int]:
+    def query_range(self, j0: int, j1: int, lq: int, lk: int, offset: int | None = None) -> tuple[int, int]:
         """Query rows ``[lo, hi)`` that may see any of the keys ``[j0, j1)`` (the mirror of :meth:`key_range`)."""
-        off = lk - lq
-        lo = 0 if self.right < 0 else max(0, j0 - off - self.right)
-        hi = lq if self.left < 0 else min(lq, j1 - 1 - off + self.left + 1)
+        if j1 <= j0:
+            return 0, 0
+        lo_d, hi_d = self.band(lq, lk, offset)
+        lo = 0 if hi_d is None else min(lq, max(0, j0 - hi_d))
+        hi = lq if lo_d is None else min(lq, j1 - lo_d)
         return lo, max(lo, hi)
+
+    def visible_rows(self, lq: int, lk: int, offset: int | None = None) -> tuple[int, int]:
+        """Query rows ``[lo, hi)`` that see at least one key; ``(Lq, Lq)`` when none does (e.g. no keys). For a
+        whole sequence ``hi == Lq``: a bottom-right mask hides only leading rows."""
+        lo, hi = self.query_range(0, lk, lq, lk, offset)
+        return (lo, hi) if lo < hi else (lq, lq)
 
     def fully_visible(self, i0: int, i1: int, j0: int, j1: int, lq: int, lk: int) -> bool:
         """Whether every query row in ``[i0, i1)`` sees every key in ``[j0, j1)``."""
-        off = lk - lq
-        ok_left = self.left < 0 or j0 >= i1 - 1 + off - self.left
-        ok_right = self.right < 0 or j1 - 1 <= i0 + off + self.right
-        return ok_left and ok_right
+        lo_d, hi_d = self.band(lq, lk)
+        return (lo_d is None or j0 >= i1 - 1 + lo_d) and (hi_d is None or j1 - 1 <= i0 + hi_d)
 
     def visible(self, rows: torch.Tensor, cols: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
         """Boolean ``(len(rows), len(cols))`` mask of visible pairs (index tensors are sequence-local)."""
-        diff = cols[None, :] - rows[:, None] - (lk - lq)
+        lo_d, hi_d = self.band(lq, lk)
+        diff = cols[None, :] - rows[:, None]
         ok = torch.ones_like(diff, dtype=torch.bool)
-        if self.left >= 0:
-            ok &= diff >= -self.left
-        if self.right >= 0:
-            ok &= diff <= self.right
+        if lo_d is not None:
+            ok &= diff >= lo_d
+        if hi_d is not None:
+            ok &= diff <= hi_d
         return ok
+
+    def visible_pairs(self, lq: int, lk: int) -> int:
+        """How many (query, key) pairs of a sequence are visible."""
+        return sum(hi - lo for lo, hi in (self.key_range(i, i + 1, lq, lk) for i in range(lq)))
+
+    def window_of_box(self, m: int, n: int, offset: int) -> tuple[int, int]:
+        """The ``(left, right)`` under which a sequence of ``m`` queries and ``n`` keys has exactly this mask's
+        visible pairs for a box of ``m`` rows and ``n`` keys at diagonal ``offset`` (bounds that hide nothing
+        in the box become -1)."""
+        lo_d, hi_d = self.band(m, n, offset)
+        base = n - m  # the box's own diagonal offset
+        left = -1 if lo_d is None or base - lo_d >= n - 1 else base - lo_d
+        right = -1 if hi_d is None or hi_d - base >= m - 1 else hi_d - base
+        return left, right
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,8 @@ class AttentionInputs:
     layout: SeqLayout
     mask: MaskSpec
     return_lse: bool = False  # the LSE is read (by the caller or a backward); if not, a backend may return None
+    grad: bool = False  # gradients of q, k, v will be asked for (dispatch then needs a backward route)
+    deterministic: bool = False  # those gradients must be the same bits run to run
 
     @property
     def heads_q(self) -> int:
@@ -91,9 +125,10 @@ class AttentionInputs:
     def head_dim_v(self) -> int:
         return self.v.shape[2]
 
-    @property
-    def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will ask for gradients of ``tensors`` (grad mode on and any of them requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -3,14 +3,15 @@
 Two ops, opaque to the compiler and described to it by fake implementations:
 
 * ``packattn::varlen_attention_fwd -> (out (Tq, Hq, Dv) q.dtype, lse)``: ``lse`` is ``(Hq, Tq)`` float32
-  (float64 for float64 inputs) when ``need_lse`` (the caller or a backward reads it), else an empty ``(0,)``.
+  (float64 for float64 inputs) when ``return_lse`` or ``grad`` (the caller or a backward reads it), else an
+  empty ``(0,)``.
 * ``packattn::varlen_attention_bwd -> (dq, dk, dv)``, contiguous, in the inputs' shapes and dtype.
 
 The ops take the offsets as tensors and, optionally, as host lists of (Sym)ints; everything that needs the
 offsets' values (reading them, checking them, choosing the backend) happens when an op runs, with the same
 messages as the eager checks in :func:`packattn.varlen_attention`, which keeps the traced graph free of
-data-dependent guards. A backend with ``NATIVE_AUTOGRAD`` (its own PyTorch autograd, e.g. ``sdpa``) gets
-its gradients inside the backward op from :func:`torch.func.vjp` of its forward.
+data-dependent guards. The backward op computes the gradients by the route that dispatch resolves for the
+forward's backend (:func:`packattn.dispatch.backward`).
 """
 
 from collections.abc import Sequence
@@ -37,12 +38,14 @@ def _inputs(
     host_k: Sequence[int] | None,
     mask: MaskSpec,
     return_lse: bool,
+    grad: bool,
+    deterministic: bool,
 ) -> AttentionInputs:
     """The validated inputs (the value checks that tracing skipped run here)."""
     layout = SeqLayout.build(
         cu_q, cu_k, q.shape[0], k.shape[0], cu_seqlens_q_host=host_q, cu_seqlens_k_host=host_k, where=WHERE
     )
-    return AttentionInputs(q, k, v, layout, mask, return_lse)
+    return AttentionInputs(q, k, v, layout, mask, return_lse, grad, deterministic)
 
 
 @torch.library.custom_op("packattn::varlen_attention_fwd", mutates_args=())
@@ -59,18 +62,20 @@ def varlen_attention_fwd(
     right: int,
     softcap: float,
     return_lse: bool,
-    need_lse: bool,
+    grad: bool,
+    deterministic: bool,
     backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch (``backend`` as in ``varlen_attention``) and run the forward; see the module docstring."""
-    inp = _inputs(q, k, v, cu_q, cu_k, host_q, host_k, MaskSpec(scale, left, right, softcap), return_lse)
+    mask = MaskSpec(scale, left, right, softcap)
+    inp = _inputs(q, k, v, cu_q, cu_k, host_q, host_k, mask, return_lse, grad, deterministic)
     chosen = dispatch.select(inp, backend, WHERE)
-    if need_lse and not chosen.NATIVE_AUTOGRAD:
+    if grad and not dispatch.uses_autograd(chosen, inp):
         inp = replace(inp, return_lse=True)  # the backward reads the LSE
     out, lse = chosen.forward(inp)
-    if not need_lse:
+    if not (return_lse or grad):
         return out, _empty_lse(q, (0,))
-    if lse is None:  # a native-autograd backend without LSE under autograd: nobody reads this one
+    if lse is None:  # gradients by autograd, from a backend without LSE: nobody reads this one
         return out, torch.full(_lse_shape(q), float("nan"), dtype=compute_dtype(q.dtype), device=q.device)
     return out, lse
 
@@ -84,9 +89,11 @@ def _empty_lse(q: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 @varlen_attention_fwd.register_fake
-def _fwd_fake(q, k, v, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, return_lse, need_lse, backend):
+def _fwd_fake(
+    q, k, v, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, return_lse, grad, deterministic, backend
+):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return out, _empty_lse(q, _lse_shape(q) if need_lse else (0,))
+    return out, _empty_lse(q, _lse_shape(q) if return_lse or grad else (0,))
 
 
 @torch.library.custom_op("packattn::varlen_attention_bwd", mutates_args=())
@@ -107,27 +114,21 @@ def varlen_attention_bwd(
     right: int,
     softcap: float,
     return_lse: bool,
+    deterministic: bool,
     backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``q, k, v`` from the same backend the forward chose; ``dlse`` is None when no LSE was returned."""
-    inp = _inputs(q, k, v, cu_q, cu_k, host_q, host_k, MaskSpec(scale, left, right, softcap), return_lse)
+    """Gradients of ``q, k, v`` by the route of the backend the forward chose; ``dlse`` is None when no LSE
+    was returned."""
+    mask = MaskSpec(scale, left, right, softcap)
+    inp = _inputs(q, k, v, cu_q, cu_k, host_q, host_k, mask, return_lse, True, deterministic)
     chosen = dispatch.select(inp, backend, WHERE)  # the forward's choice: same inputs, same answer
-    if chosen.NATIVE_AUTOGRAD:
-        # The backend's own autograd, on a recomputed forward. Plain torch.autograd records nothing here (the
-        # dispatcher runs custom ops with autograd excluded); torch.func's transform does.
-
-        def forward(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
-            return chosen.forward(replace(inp, q=q_, k=k_, v=v_))[0]
-
-        vjp = torch.func.vjp(forward, q, k, v)[1]
-        dq, dk, dv = vjp(dout)
-    else:
-        dq, dk, dv = chosen.backward(replace(inp, return_lse=True), out, lse, dout.contiguous(), dlse)
+    gradients = dispatch.backward(chosen, inp, lse_grad=dlse is not None, where=WHERE)
+    dq, dk, dv = gradients(replace(inp, return_lse=True), out, lse, dout.contiguous(), dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @varlen_attention_bwd.register_fake
-def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, rl, backend):
+def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, rl, det, backend):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
@@ -139,9 +140,9 @@ varlen_attention_bwd.register_autograd(_no_double_backward, setup_context=lambda
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, return_lse, _, backend = inputs
+    q, k, v, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, return_lse, _, deterministic, backend = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)  # autograd catches later in-place edits
-    ctx.options = (host_q, host_k, scale, left, right, softcap, return_lse, backend)
+    ctx.options = (host_q, host_k, scale, left, right, softcap, return_lse, deterministic, backend)
 
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -149,7 +150,7 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch
     return_lse = ctx.options[6]
     dlse = dlse if return_lse else None  # without return_lse the caller never saw the LSE
     dq, dk, dv = varlen_attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 12
 
 
 varlen_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

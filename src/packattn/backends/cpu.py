@@ -10,7 +10,7 @@ returns the LSE. This module maps a packed batch onto as few, as well-shaped cal
   axis (rows of unmasked attention are independent): GQA/MQA needs no K/V expansion, and decode-like
   sequences with one query become one well-shaped matmul per KV head.
 * Causal GQA repeats the K/V heads (the kernel masks by row, so the heads cannot be stacked; a stride-0
-  broadcast of K/V measured 15-20% slower than the copy on W2).
+  broadcast of K/V is slower than the copy, see benchmarks/README.md).
 * The bottom-right causal mask is the kernel's own (top-left) causal mask when ``Lq == Lk``, which skips
   the blocks above the diagonal. Otherwise, and for any window ``(-1, right)`` (which ring attention
   produces for blocks off the diagonal), query ``i`` sees keys ``j <= i + shift``: the rows that see a
@@ -26,33 +26,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from ..inputs import AttentionInputs, MaskSpec
 from ..merge import merge_attention_states
 from . import reference
-
-NAME = "cpu"
-NATIVE_AUTOGRAD = False
-backward = reference.backward
+from .base import Backend, Capabilities, backward_of
 
 
 def _kernel():
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     return None if op is None else op.default
-
-
-def unavailable_reason() -> str | None:
-    if _kernel() is None:
-        return f"torch {torch.__version__} has no aten::_scaled_dot_product_flash_attention_for_cpu"
-    return None
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    if inp.q.device.type != "cpu":
-        return [f"runs on CPU tensors only, got {inp.q.device}"]
-    return []
 
 
 def _uses_kernel(inp: AttentionInputs) -> bool:
@@ -109,14 +95,15 @@ def _banded_sequence(
 ) -> list[_Piece]:
     """Pieces of one sequence under a window ``(-1, right)``: query ``i`` sees keys ``j <= i + shift``.
 
-    With ``shift = Lk - Lq + right``, rows before ``-shift`` see no key. The next rows see a prefix of
-    keys: every key before ``first + shift`` (an unmasked call) and a square under the kernel's top-left
-    causal mask after it, merged through the LSE. Rows from ``Lk - shift`` on see every key (unmasked).
+        With ``shift = Lk - Lq + right``, rows before ``-shift`` see no key. The next rows see a prefix of
+        keys: every key before ``first + shift`` (an unmasked call) and a square under the kernel's top-left
+        causal mask after it, merged through the LSE. Rows from the first that sees the last key on see every key
+    (unmasked).
     """
     scale = mask.scale
-    shift = lk - lq + mask.right
-    first = min(lq, max(0, -shift))
-    last = min(lq, max(first, lk - shift))  # rows [first, last) see a strict prefix of the keys
+    shift = cast(int, mask.band(lq, lk)[1])  # row i sees keys j <= i + shift
+    first = mask.visible_rows(lq, lk)[0]
+    last = max(first, mask.query_range(lk - 1, lk, lq, lk)[0])  # rows [first, last) see a strict prefix of the keys
     pieces = []
     if last > first:
         rows = _Rows(qs + first, 1, last - first, 0)
@@ -194,3 +181,20 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     if lse is not None:
         lse[:, row:] = float("-inf")
     return out, lse
+
+
+class Cpu(Backend):
+    name = "cpu"
+    capabilities = Capabilities(devices=("cpu",))
+    gradients = (backward_of("reference"),)
+
+    def unavailable_reason(self) -> str | None:
+        if _kernel() is None:
+            return f"torch {torch.__version__} has no aten::_scaled_dot_product_flash_attention_for_cpu"
+        return None
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return forward(inp)
+
+
+BACKEND = Cpu()

@@ -2,13 +2,13 @@
 
 Both kernels take int32 offsets on the device with their maxima as Python ints, run fp16/bf16 with
 ``D == Dv <= 256`` on SM80+ GPUs, and return the LSE as ``(Hq, Tq)`` float32 with **+inf** for rows that see
-no key, where packattn's contract has -inf (ANCHORS.md: -inf is what keeps LSE merges NaN-free). This
-module checks those limits and converts at the edge.
+no key, where packattn's contract has -inf (-inf is what keeps LSE merges NaN-free). This module declares
+those limits and converts at the edge.
 
 Gradients: neither library differentiates its LSE (flash-attn 2 and ``torch.nn.attention.varlen`` both drop
 the LSE's gradient), but packattn's LSE is differentiable (merges and ring attention backpropagate through
-it). So these backends run the forward on the library's kernel and the backward on packattn's Triton kernel
-where it runs, else on the exact reference path: both recompute from the LSE and take the LSE's gradient.
+it). So these backends run the forward on the library's kernel and declare their backward as packattn's Triton
+kernel where it runs, else the exact reference path: both recompute from the LSE and take the LSE's gradient.
 """
 
 from __future__ import annotations
@@ -18,40 +18,36 @@ from collections.abc import Callable
 import torch
 
 from ..inputs import AttentionInputs
-from . import reference
+from .base import Backend, Capabilities, backward_of
 
-DEVICE_TYPE = "cuda"  # tests that model a kernel's interface on CPU point this at "cpu"
-MAX_HEAD_DIM = 256
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def no_cuda_reason() -> str | None:
-    """Why these kernels cannot run in this PyTorch build at all (``None`` when CUDA is built in)."""
-    if DEVICE_TYPE == "cuda" and torch.version.cuda is None:
-        return f"torch {torch.__version__} is built without CUDA"
-    return None
+class Fa2Convention(Backend):
+    """The limits, gradient routes and conversions that both backends share."""
 
+    capabilities = Capabilities(
+        devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), max_head_dim=256, head_dim_v="equal"
+    )
+    gradients = (backward_of("triton"), backward_of("reference"))
 
-def limits(inp: AttentionInputs, library: str) -> list[str]:
-    """Reasons (readable sentences) why a flash-attention-2-style kernel cannot run ``inp``."""
-    why = []
-    device = inp.q.device
-    if device.type != DEVICE_TYPE:
-        why.append(f"{library} runs on CUDA tensors only, got {device}")
-    elif device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        why.append(f"{library} needs an SM80+ GPU (Ampere or newer), got SM{major}{minor}")
-    if inp.q.dtype not in (torch.float16, torch.bfloat16):
-        why.append(f"{library} runs float16/bfloat16 only, got {inp.q.dtype}")
-    if inp.head_dim != inp.head_dim_v:
-        why.append(f"{library} needs v's head_dim equal to q's, got {inp.head_dim_v} and {inp.head_dim}")
-    if max(inp.head_dim, inp.head_dim_v) > MAX_HEAD_DIM:
-        why.append(f"head_dim={max(inp.head_dim, inp.head_dim_v)} > {MAX_HEAD_DIM} (max supported by {library})")
-    lens_q = inp.layout.seqlens_q()
-    if inp.heads_q != inp.heads_kv and max(lens_q, default=0) == 1 and 0 in lens_q:
-        # Its decode path reshapes GQA queries assuming one query per sequence (flash-attention#1537, #1619).
-        why.append(f"{library} mishandles GQA batches of at most one query per sequence when some have none")
-    return why
+    def no_cuda_reason(self) -> str | None:
+        """Why these kernels cannot run in this PyTorch build at all (``None`` when CUDA is built in)."""
+        if "cuda" in (self.capabilities.devices or ()) and torch.version.cuda is None:
+            return f"torch {torch.__version__} is built without CUDA"
+        return None
+
+    def special_reasons(self, inp: AttentionInputs) -> list[str]:
+        why = []
+        label, device = self.label or self.name, inp.q.device
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+            major, minor = torch.cuda.get_device_capability(device)
+            why.append(f"{label} needs an SM80+ GPU (Ampere or newer), got SM{major}{minor}")
+        lens_q = inp.layout.seqlens_q()
+        if inp.heads_q != inp.heads_kv and max(lens_q, default=0) == 1 and 0 in lens_q:
+            # Its decode path reshapes GQA queries assuming one query per sequence (flash-attention#1537, #1619).
+            why.append(f"{label} mishandles GQA batches of at most one query per sequence when some have none")
+        return why
 
 
 def device_offsets(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -71,15 +67,3 @@ def forward(inp: AttentionInputs, kernel: Kernel) -> tuple[torch.Tensor, torch.T
     if lse.shape != (q.shape[1], q.shape[0]):
         lse = lse.transpose(0, 1)  # some releases document (Tq, Hq)
     return out.contiguous(), lse.float().masked_fill(lse == float("inf"), float("-inf")).contiguous()
-
-
-def backward(
-    inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact gradients, the LSE's included: packattn's Triton backward where it runs, else the reference."""
-    from .. import dispatch  # the registry imports this module
-
-    triton = dispatch.BACKENDS.get("triton")
-    if triton is not None and not dispatch.reasons(triton, inp):
-        return triton.backward(inp, out, lse, dout, dlse)
-    return reference.backward(inp, out, lse, dout, dlse)

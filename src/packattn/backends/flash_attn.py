@@ -1,10 +1,10 @@
 """flash-attn 2's ``flash_attn_varlen_func`` on CUDA (fp16/bf16, ``D == Dv <= 256``, SM80+).
 
-Its conventions are flash-attn's own (ANCHORS.md §2.1): int32 offsets on the device, ``max_seqlen_*`` as
+Its conventions are flash-attn's own: int32 offsets on the device, ``max_seqlen_*`` as
 Python ints (taken from the host copies, no device sync), bottom-right causal and ``(left, right)`` windows as
 ours, soft-capping since flash-attn 2.6, LSE ``(Hq, Tq)`` with +inf for rows that see no key (converted to
--inf here). The backward runs on packattn's exact kernels (see :mod:`.fa2_convention`): flash-attn's own
-backward ignores the LSE's gradient.
+-inf here). Its gradients come from packattn's exact kernels (see :mod:`.fa2_convention`): flash-attn's
+own backward ignores the LSE's gradient.
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ import torch
 from ..inputs import AttentionInputs
 from . import fa2_convention
 
-NAME = "flash_attn"
-NATIVE_AUTOGRAD = False
-backward = fa2_convention.backward
-
 
 @functools.cache
 def _varlen_func():
@@ -34,18 +30,6 @@ def _varlen_func():
     if "softcap" not in inspect.signature(flash_attn_varlen_func).parameters:
         return None, "flash_attn is older than 2.6 (no softcap argument); packattn needs flash_attn >= 2.6"
     return flash_attn_varlen_func, None
-
-
-def unavailable_reason() -> str | None:
-    why = fa2_convention.no_cuda_reason()
-    if why is None:
-        return _varlen_func()[1]
-    installed = "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None
-    return why if installed else f"{why}; flash_attn is not installed"
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    return fa2_convention.limits(inp, "flash_attn")
 
 
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,3 +46,20 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
     with torch.no_grad():  # gradients come from packattn's backward (the LSE's included)
         return fa2_convention.forward(inp, kernel)
+
+
+class FlashAttn(fa2_convention.Fa2Convention):
+    name = "flash_attn"
+
+    def unavailable_reason(self) -> str | None:
+        why = self.no_cuda_reason()
+        if why is None:
+            return _varlen_func()[1]
+        installed = "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None
+        return why if installed else f"{why}; flash_attn is not installed"
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(inp)
+
+
+BACKEND = FlashAttn()

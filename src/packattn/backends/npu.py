@@ -49,11 +49,7 @@ from typing import Any
 import torch
 
 from ..inputs import AttentionInputs, MaskSpec
-from . import reference
-
-NAME = "npu"
-NATIVE_AUTOGRAD = False
-DEVICE_TYPE = "npu"  # the device this backend serves (tests of the call translation point it at "cpu")
+from .base import OWN_WITHOUT_LSE_GRAD, Backend, Capabilities, Grads, backward_of
 
 UNBOUNDED = 2**31 - 1  # pre_tokens / next_tokens default: no bound
 MASK_SIDE = 2048  # the compressed causal mask the bottom-right sparse modes take
@@ -63,32 +59,6 @@ FIA_MAX_BATCH, FIA_MAX_TOKENS = 4096, 65536
 FA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FA_MAX_DIM, FA_MAX_HEADS = 768, 256
 FA_MAX_BATCH, FA_MAX_TOKENS = 1024, 2**20
-
-
-def unavailable_reason() -> str | None:
-    if importlib.util.find_spec("torch_npu") is None:
-        return "torch_npu is not installed"
-    return None
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    why = []
-    if inp.q.device.type != DEVICE_TYPE:
-        why.append(f"runs on {DEVICE_TYPE} tensors only, got {inp.q.device}")
-    if inp.mask.softcap > 0:
-        why.append(f"torch_npu's fused attention has no soft-capping (softcap={inp.mask.softcap})")
-    if inp.q.dtype not in FA_DTYPES:
-        why.append(f"npu_fusion_attention takes float16, bfloat16 or float32, got {inp.q.dtype}")
-    if inp.head_dim_v > inp.head_dim:
-        why.append(f"npu_fusion_attention needs Dv <= D, got D={inp.head_dim} and Dv={inp.head_dim_v}")
-    if inp.head_dim > FA_MAX_DIM:
-        why.append(f"head_dim={inp.head_dim} > {FA_MAX_DIM} (npu_fusion_attention's maximum)")
-    if inp.heads_q > FA_MAX_HEADS:
-        why.append(f"{inp.heads_q} query heads > {FA_MAX_HEADS} (npu_fusion_attention's maximum)")
-    longest = max(inp.layout.max_q, inp.layout.max_k)
-    if longest > FA_MAX_TOKENS:
-        why.append(f"a sequence of {longest} tokens > {FA_MAX_TOKENS} (npu_fusion_attention's maximum)")
-    return why
 
 
 def _ops() -> Any:
@@ -111,12 +81,10 @@ def _visible_part(inp: AttentionInputs) -> list[_Seq]:
     Bottom-right masks only ever hide leading rows: row ``i`` sees no key iff ``i + Lk - Lq + right < 0``.
     Dropping them keeps the alignment, since ``Lk - Lq`` grows by the number dropped.
     """
-    right = inp.mask.right
     seqs = []
     for qs, qe, ks, ke in inp.layout.sequences():
-        lq, lk = qe - qs, ke - ks
-        hidden = max(0, lq - lk - right) if right >= 0 else 0
-        if lk > 0 and hidden < lq:
+        hidden = inp.mask.visible_rows(qe - qs, ke - ks)[0]
+        if qs + hidden < qe:
             seqs.append(_Seq(qs + hidden, qe, ks, ke))
     return seqs
 
@@ -253,15 +221,10 @@ def _fa(inp: AttentionInputs, q, k, v, group: list[_Seq], sparse: _Sparse, with_
     return res[0], lse
 
 
-def _training(inp: AttentionInputs) -> bool:
-    # Inside autograd's forward grad mode is off, so look at the tensors themselves.
-    return any(t.requires_grad for t in (inp.q, inp.k, inp.v))
-
-
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     q, v = inp.q, inp.v
     seqs, sparse = _visible_part(inp), _Sparse.of(inp.mask)
-    use_fia = not _training(inp) and _fia_fits(inp, seqs, sparse)
+    use_fia = not inp.grad and _fia_fits(inp, seqs, sparse)
     run, limits = (_fia, (FIA_MAX_BATCH, FIA_MAX_TOKENS)) if use_fia else (_fa, (FA_MAX_BATCH, FA_MAX_TOKENS))
     groups = list(_calls(seqs, *limits))
     if len(groups) == 1 and _runs([(s.qs, s.qe) for s in seqs]) == [(0, q.shape[0])]:
@@ -289,9 +252,7 @@ def backward(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients through ``npu_fusion_attention_grad``; with an LSE gradient, the reference backward."""
-    if dlse is not None:
-        return reference.backward(inp, out, lse, dout, dlse)
+    """Gradients through ``npu_fusion_attention_grad``, which takes no gradient of the LSE (``dlse`` is None)."""
     q, k, v = inp.q, inp.k, inp.v
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     sparse = _Sparse.of(inp.mask)
@@ -315,3 +276,36 @@ def backward(
         _scatter(dk, grads[1], keys)
         _scatter(dv, grads[2], keys)
     return dq, dk, dv
+
+
+class Npu(Backend):
+    name = "npu"
+    label = "npu_fusion_attention"
+    capabilities = Capabilities(
+        devices=("npu",),
+        dtypes=FA_DTYPES,
+        max_head_dim=FA_MAX_DIM,
+        head_dim_v="at_most",
+        softcap=False,
+        deterministic=False,  # not documented as deterministic
+        max_heads_q=FA_MAX_HEADS,
+        max_seqlen=FA_MAX_TOKENS,
+    )
+    # The fused grad op has no input for a gradient of the LSE: with one, the exact reference backward.
+    gradients = (OWN_WITHOUT_LSE_GRAD, backward_of("reference"))
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("torch_npu") is None:
+            return "torch_npu is not installed"
+        return None
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return forward(inp)
+
+    def backward(
+        self, inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+    ) -> Grads:
+        return backward(inp, out, lse, dout, dlse)
+
+
+BACKEND = Npu()

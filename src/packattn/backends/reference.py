@@ -12,19 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..inputs import AttentionInputs, MaskSpec, compute_dtype
+from .base import Backend, Grads
 
-NAME = "reference"
-NATIVE_AUTOGRAD = False
 BLOCK_Q = 128
 BLOCK_K = 512
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    return []
 
 
 def _grouped(x: torch.Tensor, heads_kv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -169,3 +160,18 @@ def backward(
         dk[ks:ke] = dkseq.transpose(0, 1)
         dv[ks:ke] = dvseq.transpose(0, 1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class Reference(Backend):
+    name = "reference"
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(inp)
+
+    def backward(
+        self, inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+    ) -> Grads:
+        return backward(inp, out, lse, dout, dlse)
+
+
+BACKEND = Reference()

@@ -11,26 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import AttentionInputs
-
-NAME = "sdpa"
-NATIVE_AUTOGRAD = True
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    why = []
-    if inp.return_lse:
-        why.append("public scaled_dot_product_attention returns no LSE (return_lse=True)")
-    if inp.mask.softcap > 0:
-        why.append(f"scaled_dot_product_attention has no soft-capping (softcap={inp.mask.softcap})")
-    if inp.mask.left >= 0 or inp.mask.right > 0:
-        why.append(
-            f"scaled_dot_product_attention has no sliding window (window_size=({inp.mask.left}, {inp.mask.right}))"
-        )
-    return why
+from .base import AUTOGRAD, Backend, Capabilities
 
 
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
@@ -40,7 +21,7 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
     for qs, qe, ks, ke in inp.layout.sequences():
         lq, lk = qe - qs, ke - ks
         # Rows that see no key stay 0: no keys at all, or causal rows above a short key side.
-        first = max(0, lq - lk) if mask.causal else (lq if lk == 0 else 0)
+        first = mask.visible_rows(lq, lk)[0]
         if first > 0:
             pieces.append(q.new_zeros(first, q.shape[1], v.shape[2]))
         if first == lq:
@@ -60,3 +41,17 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
     if not pieces:
         return q.new_zeros(0, q.shape[1], v.shape[2]), None
     return torch.cat(pieces).contiguous(), None
+
+
+class Sdpa(Backend):
+    name = "sdpa"
+    label = "scaled_dot_product_attention"
+    # Its backward on accelerators may accumulate with atomics (the memory-efficient and flash kernels).
+    capabilities = Capabilities(softcap=False, windows=False, lse=False, deterministic=False)
+    gradients = (AUTOGRAD,)
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, None]:
+        return forward(inp)
+
+
+BACKEND = Sdpa()

@@ -1,25 +1,22 @@
 """PyTorch's ``torch.nn.attention.varlen.varlen_attn`` on CUDA (its built-in flash-attention 2 kernel).
 
 Needs a PyTorch with ``window_size`` and ``enable_gqa`` (2.12 and newer); fp16/bf16, ``D == Dv <= 256``,
-SM80+, no soft-capping. Conventions as flash-attn 2's (ANCHORS.md §2.4): int32 offsets on the device,
+SM80+, no soft-capping. Conventions as flash-attn 2's: int32 offsets on the device,
 ``max_q``/``max_k`` from the host copies, bottom-right ``(left, right)`` windows (causal is ``(-1, 0)``), LSE
-``(Hq, Tq)`` with +inf for rows that see no key, converted to -inf here. The backward runs on packattn's exact
-kernels (see :mod:`.fa2_convention`): PyTorch's drops the LSE's gradient.
+``(Hq, Tq)`` with +inf for rows that see no key, converted to -inf here. Its gradients come from packattn's
+exact kernels (see :mod:`.fa2_convention`): PyTorch's backward drops the LSE's gradient.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import replace
 
 import torch
 
 from ..inputs import AttentionInputs
 from . import fa2_convention
-
-NAME = "torch_varlen"
-NATIVE_AUTOGRAD = False
-backward = fa2_convention.backward
 
 
 @functools.cache
@@ -36,18 +33,6 @@ def _module():
     return varlen, None
 
 
-def unavailable_reason() -> str | None:
-    # Importing torch.nn.attention.varlen loads torch's compiler stack: not on builds that cannot use it.
-    return fa2_convention.no_cuda_reason() or _module()[1]
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    why = fa2_convention.limits(inp, "torch.nn.attention.varlen")
-    if inp.mask.softcap > 0:
-        why.append(f"torch.nn.attention.varlen has no soft-capping (softcap={inp.mask.softcap})")
-    return why
-
-
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     varlen, _ = _module()
     m = inp.mask
@@ -61,3 +46,19 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
     with torch.no_grad():  # gradients come from packattn's backward (the LSE's included)
         return fa2_convention.forward(inp, kernel)
+
+
+class TorchVarlen(fa2_convention.Fa2Convention):
+    name = "torch_varlen"
+    label = "torch.nn.attention.varlen"
+    capabilities = replace(fa2_convention.Fa2Convention.capabilities, softcap=False)
+
+    def unavailable_reason(self) -> str | None:
+        # Importing torch.nn.attention.varlen loads torch's compiler stack: not on builds that cannot use it.
+        return self.no_cuda_reason() or _module()[1]
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(inp)
+
+
+BACKEND = TorchVarlen()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import packattn
 from packattn import dispatch
+from packattn.inputs import MaskSpec
 
 from .workloads import Workload
 
@@ -27,7 +28,7 @@ class Unsupported(Exception):
 
 
 def _bottom_right(lq: int, lk: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(lk, device=device)[None, :] <= torch.arange(lq, device=device)[:, None] + (lk - lq)
+    return MaskSpec(1.0, -1, 0).visible(torch.arange(lq, device=device), torch.arange(lk, device=device), lq, lk)
 
 
 def per_sequence_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:

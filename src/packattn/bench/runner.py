@@ -140,7 +140,7 @@ def oracle_on_rows(wl: Workload, q, k, v, rows: list[int]):
         for r in rows:
             if qs <= r < qs + lq:
                 i = r - qs
-                hi = lk if not wl.causal else max(0, min(lk, i + lk - lq + 1))
+                hi = wl.mask.key_range(i, i + 1, lq, lk)[1]
                 sel_q.append(r)
                 key_rows.append(torch.arange(ks, ks + hi))
                 cu_q.append(cu_q[-1] + 1)

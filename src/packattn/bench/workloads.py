@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..inputs import MaskSpec
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -26,16 +28,12 @@ class Workload:
     def cu_k(self) -> list[int]:
         return _offsets(self.lens_k)
 
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(self.head_dim**-0.5, -1, 0 if self.causal else -1)
+
     def visible_pairs(self) -> int:
-        total = 0
-        for lq, lk in zip(self.lens_q, self.lens_k):
-            if not self.causal:
-                total += lq * lk
-                continue
-            off = lk - lq
-            # Row i sees keys 0 .. min(lk - 1, i + off).
-            total += sum(max(0, min(lk, i + off + 1)) for i in range(lq))
-        return total
+        return sum(self.mask.visible_pairs(lq, lk) for lq, lk in zip(self.lens_q, self.lens_k))
 
     def flops(self) -> int:
         """``4 * D * Hq * visible (q, k) pairs`` (two matmuls of 2 flops per multiply-add)."""

@@ -14,8 +14,8 @@ soft-capping) and return conventions. Where packattn differs, it says so instead
   the value that merges of partial results (ring attention, split-KV) need to stay NaN-free, and what
   FlashAttention-3's kernel and FlashInfer return. Code that tests ``lse.isinf()`` works with both; code
   that compares with ``+inf`` must compare with ``-inf``.
-* ``deterministic=True`` is honoured: the CPU backends' backward is deterministic; on other devices, when
-  gradients are needed, the call runs on the ``reference`` backend, whose backward adds no atomics.
+* ``deterministic=True`` is honoured: when gradients are needed, dispatch takes only a backend whose
+  gradient route is deterministic (packattn's own backwards are: no atomics).
 * Any packattn dtype (flash-attn: fp16/bf16) and int32 or int64 offsets; the LSE is differentiable.
 """
 
@@ -102,8 +102,6 @@ def flash_attn_varlen_func(
     layout = SeqLayout.build(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where=WHERE)
     _check_max(max_seqlen_q, "max_seqlen_q", layout.max_q)
     _check_max(max_seqlen_k, "max_seqlen_k", layout.max_k)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    backend = "reference" if deterministic and grad and q.device.type != "cpu" else None
     res = run_attention(
         q,
         k,
@@ -117,8 +115,9 @@ def flash_attn_varlen_func(
         window_size=window_size,
         softcap=softcap,
         return_lse=return_attn_probs,
-        backend=backend,
+        backend=None,
         where=WHERE,
+        deterministic=deterministic,
     )
     if isinstance(res, tuple):  # return_attn_probs
         out, lse = res

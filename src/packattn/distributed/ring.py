@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Literal, cast, overload
 
 import torch
@@ -22,7 +21,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import dispatch
 from ..api import check_call
-from ..inputs import AttentionInputs, MaskSpec, compute_dtype
+from ..backends.base import Backend
+from ..inputs import AttentionInputs, MaskSpec, compute_dtype, needs_grad
 from ..layout import SeqLayout
 from ..merge import merge_attention_states
 from .comm import Ring, attention_options, check_plan, check_rows, collective_check, join_group, plan_items, wait
@@ -101,15 +101,18 @@ def _unpack(buf: torch.Tensor, rows: int, k: torch.Tensor, v: torch.Tensor) -> t
     return buf[:nk].view(rows, k.shape[1], k.shape[2]), buf[nk:].view(rows, v.shape[1], v.shape[2])
 
 
-def _inputs(job: _Job, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionInputs:
-    return AttentionInputs(_take(q, job.q_idx), _take(k, job.k_idx), _take(v, job.k_idx), job.layout, job.mask, True)
+def _inputs(job: _Job, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> AttentionInputs:
+    q, k, v = _take(q, job.q_idx), _take(k, job.k_idx), _take(v, job.k_idx)
+    return AttentionInputs(q, k, v, job.layout, job.mask, True, grad)
 
 
-def _select(setup: _Setup, inp: AttentionInputs) -> ModuleType:
+def _select(setup: _Setup, inp: AttentionInputs) -> Backend:
     return dispatch.select(inp, setup.backend, setup.where)
 
 
-def _forward(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     cdt = compute_dtype(q.dtype)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=cdt, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=cdt, device=q.device)
@@ -121,8 +124,9 @@ def _forward(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
             pending = setup.ring.shift(buf, nxt)  # in flight while this step computes
         kb, vb = _unpack(buf, setup.plan.shards_k[source].total, k, v)
         for job in jobs:
-            inp = _inputs(job, q, kb, vb)
-            o, l_ = _select(setup, inp).forward(inp)
+            inp = _inputs(job, q, kb, vb, grad)
+            o, maybe_lse = _select(setup, inp).forward(inp)
+            l_ = cast(torch.Tensor, maybe_lse)  # asked for (return_lse=True): never None
             if job.fresh:
                 merged, merged_lse = o.to(cdt), l_.to(cdt)
             else:
@@ -140,42 +144,16 @@ def _forward(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return out.to(q.dtype), lse
 
 
-def _recompute_backward(
-    backend: ModuleType,
-    inp: AttentionInputs,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
-    """Block gradients for a backend that has only native autograd: recompute the block and feed it the
-    gradients that the final merge gives its output and LSE."""
-    leaves = [t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v)]
-    with torch.enable_grad():
-        o, l_ = backend.forward(AttentionInputs(leaves[0], leaves[1], leaves[2], inp.layout, inp.mask, True))
-        l_ = l_.to(lse.dtype)
-        # The final result is sum_b o_b * w_b with w_b = exp(lse_b - lse): d o_b = dout * w_b and
-        # d lse_b = w_b * (rowsum(dout * (o_b - out)) + dlse).
-        w = torch.exp(l_.detach() - lse.masked_fill(torch.isinf(lse), 0.0)).masked_fill(torch.isneginf(l_), 0.0)
-        d32 = dout.to(lse.dtype)
-        g_lse = (d32 * (o.detach().to(lse.dtype) - out.to(lse.dtype))).sum(-1).transpose(0, 1)
-        if dlse is not None:
-            g_lse = g_lse + dlse.to(lse.dtype)
-        g_out = d32 * w.transpose(0, 1)[..., None]
-        grads = torch.autograd.grad((o, l_), leaves, (g_out.to(o.dtype), g_lse * w), allow_unused=True)
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves, strict=True))
-
-
 def _block_backward(
     setup: _Setup, inp: AttentionInputs, job: _Job, saved: tuple[torch.Tensor, ...], dlse: torch.Tensor | None
 ) -> tuple[torch.Tensor, ...]:
     out, lse, dout = saved
-    backend = _select(setup, inp)
     rows = (_take(out, job.q_idx), _take(lse, job.q_idx, 1), _take(dout, job.q_idx))
     dlse_rows = None if dlse is None else _take(dlse, job.q_idx, 1)
-    if backend.NATIVE_AUTOGRAD:
-        return _recompute_backward(backend, inp, *rows, dlse_rows)
-    return backend.backward(inp, rows[0], rows[1], rows[2].contiguous(), dlse_rows)
+    # Every route recomputes the block's probabilities from the final LSE (the merged one): each key's exact
+    # share. Autograd through a forward could not; backends with that route return no LSE, so never run here.
+    gradients = dispatch.backward(_select(setup, inp), inp, lse_grad=dlse_rows is not None, where=setup.where)
+    return gradients(inp, rows[0], rows[1], rows[2].contiguous(), dlse_rows)
 
 
 def _add_rows(acc: torch.Tensor, idx: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -204,7 +182,7 @@ def _backward(
         grad = torch.zeros(sum(setup.kv_numel(source, k, v)), dtype=cdt, device=q.device)
         dkb, dvb = _unpack(grad, rows, k, v)
         for job in jobs:
-            inp = _inputs(job, q, kb, vb)
+            inp = _inputs(job, q, kb, vb, True)
             dq_j, dk_j, dv_j = _block_backward(setup, inp, job, (out, lse, dout), dlse)
             _add_rows(dq, job.q_idx, dq_j)
             _add_rows(dkb, job.k_idx, dk_j)
@@ -236,7 +214,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: _Setup
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _forward(setup, q, k, v)
+        out, lse = _forward(setup, q, k, v, True)
         ctx.setup = setup
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)
@@ -264,7 +242,9 @@ def _setup(plan: ShardPlan, ring: Ring, mask: MaskSpec, backend: str | None, dev
     return _Setup(ring, plan, steps, backend, "ring_varlen_attention")
 
 
-def _check_backend(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec) -> None:
+def _check_backend(
+    setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, grad: bool
+) -> None:
     """An explicit backend must run every call of every rank; checked here, before any rank communicates."""
     if setup.backend is None:
         return  # dispatch always finds one (the reference backend runs everything)
@@ -273,7 +253,7 @@ def _check_backend(setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     layout = SeqLayout(*plan.local_cu_seqlens(q.device), cu_q, cu_k)
     for left, right in sorted(windows(plan, mask.left, mask.right)):
         spec = MaskSpec(mask.scale, left, right, mask.softcap)
-        dispatch.select(AttentionInputs(q, k, v, layout, spec, True), setup.backend, setup.where)
+        dispatch.select(AttentionInputs(q, k, v, layout, spec, True, grad), setup.backend, setup.where)
 
 
 @overload
@@ -361,6 +341,8 @@ def ring_varlen_attention(
     """
     where = "ring_varlen_attention"
     ring = join_group(group, where)
+    grad = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    grad = grad and needs_grad(q, k, v)
 
     def validate() -> tuple[dict, _Setup]:
         mask = check_call(
@@ -371,13 +353,13 @@ def ring_varlen_attention(
         check_rows(q, plan.local_q, "q", "q", plan, where)
         check_rows(k, plan.local_k, "k", "k", plan, where)
         setup = _setup(plan, ring, mask, backend, q.device)
-        _check_backend(setup, q, k, v, mask)
+        _check_backend(setup, q, k, v, mask, grad)
         options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
         return {**plan_items(plan), **attention_options(q, k, v, **options, backend=backend)}, setup
 
     setup = collective_check(ring, where, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), validate)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if grad:
         out, lse = _RingAttention.apply(q, k, v, setup)
     else:
-        out, lse = _forward(setup, q, k, v)
+        out, lse = _forward(setup, q, k, v, False)
     return (out, lse) if return_lse else out

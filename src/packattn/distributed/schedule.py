@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import pairwise
 
+from ..inputs import MaskSpec
 from .plan import Piece, ShardPlan
 
 
@@ -33,23 +34,16 @@ def pair_block(qp: Piece, kp: Piece, lq: int, lk: int, left: int, right: int) ->
     """The visible box of a query piece and a key piece of one sequence, or ``None`` if the mask hides it.
 
     ``lq``/``lk`` are the sequence's global lengths and ``left``/``right`` the global window (``-1`` is
-    unbounded), so query ``i`` sees key ``j`` iff ``lk - lq - left <= j - i <= lk - lq + right``.
+    unbounded); the pieces sit at diagonal offset ``Lk - Lq + q_start - k_start`` of the sequence's band.
     """
-    off = lk - lq + qp.start - kp.start  # the band in piece coordinates: lo <= j' - i' <= hi
-    lo = None if left < 0 else off - left
-    hi = None if right < 0 else off + right
-    r0 = 0 if hi is None else max(0, -hi)
-    r1 = qp.length if lo is None else min(qp.length, kp.length - lo)
-    if r0 >= r1:
+    mask = MaskSpec(1.0, left, right)
+    off = lk - lq + qp.start - kp.start
+    r0, r1 = mask.visible_rows(qp.length, kp.length, off)
+    c0, c1 = mask.key_range(r0, r1, qp.length, kp.length, off)
+    if r0 >= r1 or c0 >= c1:
         return None
-    c0 = 0 if lo is None else max(0, lo + r0)
-    c1 = kp.length if hi is None else min(kp.length, hi + r1)
-    if c0 >= c1:
-        return None
-    m, n, shift = r1 - r0, c1 - c0, r0 - c0
-    wl = -1 if lo is None or (n - m) - (lo + shift) >= n - 1 else (n - m) - (lo + shift)
-    wr = -1 if hi is None or (hi + shift) - (n - m) >= m - 1 else (hi + shift) - (n - m)
-    return Block(qp.start + r0, m, kp.start + c0, n, (wl, wr))
+    m, n = r1 - r0, c1 - c0
+    return Block(qp.start + r0, m, kp.start + c0, n, mask.window_of_box(m, n, off + r0 - c0))
 
 
 @dataclass(frozen=True)

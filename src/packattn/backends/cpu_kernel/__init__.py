@@ -21,47 +21,12 @@ import torch
 
 from ...inputs import AttentionInputs
 from .. import reference
+from ..base import Backend, Capabilities, Grads
 from . import build
-
-NAME = "cpu_kernel"
-NATIVE_AUTOGRAD = False
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def unavailable_reason() -> str | None:
-    try:
-        build.load()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    why = []
-    if inp.q.device.type != "cpu":
-        why.append(f"runs on CPU tensors only, got {inp.q.device}")
-    if inp.q.dtype not in DTYPES:
-        why.append(f"computes in fp32, bf16 or fp16, got {inp.q.dtype} (float64 runs on the cpu backend)")
-    return why
-
 
 # Query rows per (sequence, KV head) up to which a batch counts as decode: one padded block of the kernel's
 # products, with no K/V tile reused by a second block.
 DECODE_ROWS = 16
-
-
-def declines(inp: AttentionInputs) -> str | None:
-    """Decode batches (every sequence's query rows x query heads per KV head <= 16) go to the ``cpu``
-    backend in automatic dispatch: the kernel prepares every K/V tile for a few rows, and measured slower
-    there (W6 in benchmarks/README.md)."""
-    group = inp.q.shape[1] // inp.k.shape[1]
-    longest = inp.layout.max_q
-    if longest * group <= DECODE_ROWS:
-        return (
-            f"leaves decode batches to the cpu backend (at most {longest} query rows per sequence x {group} "
-            f"query heads per KV head <= {DECODE_ROWS}: faster there)"
-        )
-    return None
 
 
 def _offsets(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,3 +57,39 @@ def backward(
         inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta, *_offsets(inp), *_mask_args(inp)
     )
     return dq.to(inp.q.dtype), dk.to(inp.k.dtype), dv.to(inp.v.dtype)
+
+
+class CpuKernel(Backend):
+    name = "cpu_kernel"
+    capabilities = Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            build.load()
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    def declines(self, inp: AttentionInputs) -> str | None:
+        """Decode batches (every sequence's query rows x query heads per KV head <= 16) go to the ``cpu``
+        backend in automatic dispatch: the kernel prepares every K/V tile for a few rows, slower there than
+        the ``cpu`` backend's stacked heads (W6 in benchmarks/README.md)."""
+        group = inp.heads_q // inp.heads_kv
+        longest = inp.layout.max_q
+        if longest * group <= DECODE_ROWS:
+            return (
+                f"leaves decode batches to the cpu backend (at most {longest} query rows per sequence x {group} "
+                f"query heads per KV head <= {DECODE_ROWS}: faster there)"
+            )
+        return None
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return forward(inp)
+
+    def backward(
+        self, inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+    ) -> Grads:
+        return backward(inp, out, lse, dout, dlse)
+
+
+BACKEND = CpuKernel()

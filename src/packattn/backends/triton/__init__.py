@@ -24,11 +24,8 @@ import torch
 
 from ...inputs import AttentionInputs, compute_dtype
 from .. import reference
+from ..base import Backend, Capabilities, Grads
 
-NAME = "triton"
-NATIVE_AUTOGRAD = False
-MAX_HEAD_DIM = 256
-MAX_TOKENS = 2**31 - 1  # offsets travel as int32
 # (query block, key block) under the interpreter, where each tile operation costs Python overhead.
 INTERPRETER_BLOCKS = (128, 64)
 
@@ -36,31 +33,6 @@ INTERPRETER_BLOCKS = (128, 64)
 def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (read at call time: kernels.py is imported lazily)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
-
-
-def unavailable_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if torch.version.cuda is None and torch.version.hip is None and not _interpreting():
-        return f"torch {torch.__version__} is built without CUDA (CPU tensors run under TRITON_INTERPRET=1)"
-    return None
-
-
-def supports(inp: AttentionInputs) -> list[str]:
-    why = []
-    device = inp.q.device
-    if device.type == "cpu":
-        if not _interpreting():
-            why.append("CPU tensors run only under Triton's interpreter (set TRITON_INTERPRET=1)")
-        elif importlib.util.find_spec("numpy") is None:
-            why.append("Triton's interpreter needs numpy, which is not installed")
-    elif device.type != "cuda":
-        why.append(f"runs on CUDA tensors only, got {device}")
-    if max(inp.head_dim, inp.head_dim_v) > MAX_HEAD_DIM:
-        why.append(f"head_dim={inp.head_dim}, head_dim_v={inp.head_dim_v}: at most {MAX_HEAD_DIM} supported")
-    if max(inp.layout.total_q, inp.layout.total_k) > MAX_TOKENS:
-        why.append(f"more than {MAX_TOKENS} tokens (offsets are int32 in the kernels)")
-    return why
 
 
 _KERNELS: ModuleType | None = None
@@ -202,3 +174,36 @@ def backward(
             q, k, v, dout, lse, delta, dq, table, *common, *dq.stride(), **options
         )
     return dq, dk, dv
+
+
+class Triton(Backend):
+    name = "triton"
+    # CPU tensors only under Triton's interpreter (tests); offsets travel as int32 in the kernels.
+    capabilities = Capabilities(devices=("cuda", "cpu"), max_head_dim=256, max_tokens=2**31 - 1)
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if torch.version.cuda is None and torch.version.hip is None and not _interpreting():
+            return f"torch {torch.__version__} is built without CUDA (CPU tensors run under TRITON_INTERPRET=1)"
+        return None
+
+    def special_reasons(self, inp: AttentionInputs) -> list[str]:
+        if inp.q.device.type != "cpu":
+            return []
+        if not _interpreting():
+            return ["CPU tensors run only under Triton's interpreter (set TRITON_INTERPRET=1)"]
+        if importlib.util.find_spec("numpy") is None:
+            return ["Triton's interpreter needs numpy, which is not installed"]
+        return []
+
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(inp)
+
+    def backward(
+        self, inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+    ) -> Grads:
+        return backward(inp, out, lse, dout, dlse)
+
+
+BACKEND = Triton()
