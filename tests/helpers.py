@@ -169,7 +169,7 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, lse)`` of backend ``name`` (None: default dispatch) on ``case``; ``lse`` is None when the
     backend returns none. ``offsets`` replace ``case.tensors()``; ``host`` passes the host copies too."""
-    with_lse = name is None or supported(name, return_lse=True, **mask)
+    with_lse = name is None or supported(name, return_lse=True, dtype=case.q.dtype, **mask)
     copies = {"cu_seqlens_q_host": case.cu_q, "cu_seqlens_k_host": case.cu_k} if host else {}
     res = packattn.varlen_attention(
         case.q, case.k, case.v, *(offsets or case.tensors()), return_lse=with_lse, backend=name, **copies, **mask

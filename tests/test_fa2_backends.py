@@ -15,6 +15,7 @@ import itertools
 import re
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch.nn.attention import varlen as torch_varlen_module
 import packattn
 from packattn import dispatch
 from packattn.backends import flash_attn, torch_varlen
+from packattn.compat.flash_attn import flash_attn_varlen_func
 from packattn.testing import oracle
 
 from .helpers import assert_matches_oracle, case_inputs, check_backward, make_case, point_at
@@ -71,6 +73,64 @@ def fake_varlen_attn(
     return (out, lse) if return_aux is not None and return_aux.lse else out
 
 
+def _backward_model(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window, softcap=0.0):
+    """The backward interface both kernels share: the forward's tensors and LSE in their convention (+inf for
+    rows that see no key), gradients of ``out`` computed with the float64 oracle."""
+    assert all(t.dtype == q.dtype and t.stride(-1) == 1 for t in (dout, k, v, out)), "dtypes / last-dim strides"
+    assert dout.shape == out.shape == (q.shape[0], q.shape[1], v.shape[2])
+    host_q, host_k = cu_q.tolist(), cu_k.tolist()
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and host_q[-1] == q.shape[0] and host_k[-1] == k.shape[0]
+    assert (max_q, max_k) == (
+        max(b - a for a, b in itertools.pairwise(host_q)),
+        max(b - a for a, b in itertools.pairwise(host_k)),
+    )
+    options = {"softmax_scale": scale, "window_size": tuple(window), "softcap": softcap}
+    xs = [t.detach().double() for t in (q, k, v)]
+    # torch.func, not torch.autograd: inside packattn's backward op autograd records nothing.
+    (_, want_lse), vjp = torch.func.vjp(lambda *ts: oracle(*ts, host_q, host_k, **options), *xs)
+    grads = vjp((dout.double(), torch.zeros_like(want_lse)))
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+    assert torch.equal(torch.isposinf(lse), torch.isneginf(want_lse)), "rows without keys must have the kernels' +inf"
+    seen = torch.isfinite(lse)
+    torch.testing.assert_close(lse[seen].double(), want_lse[seen], atol=1e-2, rtol=1e-3)
+    BACKWARD_CALLS.append({"window": tuple(window), "scale": scale, "softcap": softcap})
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+BACKWARD_CALLS: list[dict[str, object]] = []
+
+
+def fake_flash_attn_varlen_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+    softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+):  # fmt: skip
+    """``torch.ops.flashattn._flash_attn_varlen_backward`` (flash_attn >= 2.7): fills dq, dk, dv."""
+    assert q.shape[2] % 8 == 0 and v.shape[2] == q.shape[2] <= 256, "head_size should be a multiple of 8"
+    assert all(g.shape == t.shape and g.dtype == t.dtype for g, t in ((dq, q), (dk, k), (dv, v)))
+    assert dropout_p == 0.0 and alibi_slopes is None and rng_state is None and isinstance(deterministic, bool)
+    right = 0 if causal else window_size_right
+    grads = _backward_model(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        scale=softmax_scale, window=(window_size_left, right), softcap=softcap,
+    )  # fmt: skip
+    BACKWARD_CALLS[-1]["deterministic"] = deterministic
+    for dst, g in zip((dq, dk, dv), grads, strict=True):
+        dst.copy_(g)
+    return torch.empty(q.shape[1], q.shape[0] + 128 * (cu_seqlens_q.numel() - 1))  # softmax_d
+
+
+def fake_varlen_attn_backward(
+    grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state, scale=None,
+    window_size=None,
+):  # fmt: skip
+    """``torch.ops.torch_attn._varlen_attn_backward``: the op ``varlen_attn``'s own autograd calls."""
+    assert rng_state.dtype == torch.uint64 and rng_state.shape == (2,)
+    assert not is_causal and isinstance(window_size, list) and len(window_size) == 2
+    return _backward_model(
+        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window=window_size
+    )
+
+
 @pytest.fixture
 def models(monkeypatch):
     """Both kernels' interface models in place of the libraries, taking CPU tensors."""
@@ -78,11 +138,14 @@ def models(monkeypatch):
     fake.flash_attn_varlen_func = fake_flash_attn_varlen_func  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setattr(torch_varlen_module, "varlen_attn", fake_varlen_attn)
+    monkeypatch.setattr(flash_attn, "_varlen_backward", lambda: fake_flash_attn_varlen_backward)
+    monkeypatch.setattr(torch_varlen, "_varlen_backward", lambda: fake_varlen_attn_backward)
     for backend in (flash_attn.BACKEND, torch_varlen.BACKEND):
         point_at(monkeypatch, backend, "cpu")
     for cached in (flash_attn._varlen_func, torch_varlen._module):
         cached.cache_clear()
     CALLS.clear()
+    BACKWARD_CALLS.clear()
     yield
     for cached in (flash_attn._varlen_func, torch_varlen._module):
         cached.cache_clear()
@@ -150,6 +213,54 @@ def test_backward_is_exact_and_takes_the_lse_gradient(models, name):
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, atol=0.05, rtol=0.05)
     check_backward(name, make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.float16, seed=8, requires_grad=True))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gradients_of_out_alone_run_on_the_librarys_backward(models, name, mask):
+    # D = 20: flash-attn's backward kernel takes multiples of 8, so the adapter pads (as its autograd does).
+    case = make_case(*LENS, hq=4, hkv=2, d=20, dtype=torch.float16, seed=9, requires_grad=True)
+    check_backward(name, case, **MASKS[mask])  # out and LSE in the loss: packattn's backward
+    assert BACKWARD_CALLS == []
+    out, _ = attention(name, case, **MASKS[mask])
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * dout).sum(), (case.q, case.k, case.v))
+    assert len(BACKWARD_CALLS) == 1  # the LSE has no gradient: the library's kernel
+    xs = [t.detach().double().requires_grad_() for t in (case.q, case.k, case.v)]
+    want = torch.autograd.grad((oracle(*xs, case.cu_q, case.cu_k, **MASKS[mask])[0] * dout).sum(), xs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=0.02, rtol=0.02)
+
+
+def test_deterministic_reaches_flash_attn_and_passes_torch_varlen_over(models, monkeypatch):
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ("flash_attn", "reference"))  # as on CUDA
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.bfloat16, seed=10, requires_grad=True)
+    cu_q, cu_k = case.tensors()
+    for deterministic in (False, True):
+        out = flash_attn_varlen_func(
+            case.q, case.k, case.v, cu_q.int(), cu_k.int(), max(LENS[0]), max(LENS[1]), causal=True,
+            deterministic=deterministic,
+        )  # fmt: skip
+        out.float().sum().backward()
+        assert BACKWARD_CALLS[-1]["deterministic"] is deterministic
+    inp = replace(case_inputs(case), grad=True, deterministic=True)
+    assert dispatch.backward(torch_varlen.BACKEND, inp, lse_grad=False, where="t") != torch_varlen.BACKEND.backward
+
+
+def test_a_library_without_the_backward_op_gets_packattns(models, monkeypatch):
+    monkeypatch.setattr(flash_attn, "_varlen_backward", lambda: None)
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.float16, seed=11, requires_grad=True)
+    inp = replace(case_inputs(case), grad=True)
+    assert flash_attn.BACKEND.own_backward_reasons(inp) == [
+        "this flash_attn has no torch.ops.flashattn._flash_attn_varlen_backward (flash_attn >= 2.7)"
+    ]
+    out, _ = attention("flash_attn", case)
+    got = torch.autograd.grad(out.double().sum(), (case.q, case.k, case.v))
+    assert BACKWARD_CALLS == []  # packattn's backward served
+    xs = [t.detach().double().requires_grad_() for t in (case.q, case.k, case.v)]
+    want = torch.autograd.grad(oracle(*xs, case.cu_q, case.cu_k)[0].sum(), xs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=0.02, rtol=0.02)
 
 
 REFUSALS = [

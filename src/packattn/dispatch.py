@@ -99,6 +99,10 @@ def _route_problem(backend: Backend, route: Route, inp: AttentionInputs, lse_gra
         why = reasons(target, replace(inp, return_lse=True, grad=False))
         if why:
             return f"{what} cannot run them: " + "; ".join(why)
+    elif route.kind == "own":
+        why = backend.own_backward_reasons(inp)
+        if why:
+            return f"{what} cannot run them: " + "; ".join(why)
     if inp.deterministic and not target.capabilities.deterministic:
         return f"{what} is not deterministic (deterministic=True)"
     return None

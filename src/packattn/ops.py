@@ -143,12 +143,17 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_q, cu_k, host_q, host_k, scale, left, right, softcap, return_lse, _, deterministic, backend = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)  # autograd catches later in-place edits
     ctx.options = (host_q, host_k, scale, left, right, softcap, return_lse, deterministic, backend)
+    # A gradient that no loss reaches stays None instead of zeros: an LSE nobody differentiates then lets the
+    # backward take a route without LSE gradient (the wrapped library's own), with no device sync to find out.
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     return_lse = ctx.options[6]
     dlse = dlse if return_lse else None  # without return_lse the caller never saw the LSE
+    if dout is None:  # only the LSE reaches the loss
+        dout = torch.zeros_like(out)
     dq, dk, dv = varlen_attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
     return (dq, dk, dv) + (None,) * 12
 

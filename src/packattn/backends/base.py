@@ -141,6 +141,10 @@ class Backend:
         """Its reasons beyond what :class:`Capabilities` declares."""
         return []
 
+    def own_backward_reasons(self, inp: AttentionInputs) -> list[str]:
+        """Why its own backward (a route of kind ``"own"``) cannot serve ``inp``, e.g. an older library."""
+        return []
+
     def declines(self, inp: AttentionInputs) -> str | None:
         """Why automatic dispatch should pass ``inp``, which it runs, to the next backend (it runs them
         slower than that one); None to take them. By name it still runs them."""

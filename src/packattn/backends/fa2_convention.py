@@ -7,8 +7,9 @@ those limits and converts at the edge.
 
 Gradients: neither library differentiates its LSE (flash-attn 2 and ``torch.nn.attention.varlen`` both drop
 the LSE's gradient), but packattn's LSE is differentiable (merges and ring attention backpropagate through
-it). So these backends run the forward on the library's kernel and declare their backward as packattn's Triton
-kernel where it runs, else the exact reference path: both recompute from the LSE and take the LSE's gradient.
+it). So the library's own backward kernel serves calls whose LSE has no gradient (almost every training
+call: the output alone reaches the loss), and packattn's Triton backward where it runs, else the exact
+reference path, serves the others: all recompute from the LSE.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..inputs import AttentionInputs
-from .base import Backend, Capabilities, backward_of
+from .base import OWN_WITHOUT_LSE_GRAD, Backend, Capabilities, backward_of
 
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,7 +30,8 @@ class Fa2Convention(Backend):
     capabilities = Capabilities(
         devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), max_head_dim=256, head_dim_v="equal"
     )
-    gradients = (backward_of("triton"), backward_of("reference"))
+    # The library's own backward where the LSE has no gradient (it cannot take one), else packattn's.
+    gradients = (OWN_WITHOUT_LSE_GRAD, backward_of("triton"), backward_of("reference"))
 
     def no_cuda_reason(self) -> str | None:
         """Why these kernels cannot run in this PyTorch build at all (``None`` when CUDA is built in)."""
@@ -55,11 +57,19 @@ def device_offsets(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
     return cu.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
 
 
+def _unit_last_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _nothing_to_compute(inp: AttentionInputs) -> bool:
+    return inp.layout.total_q == 0 or inp.layout.max_k == 0  # every row sees no key
+
+
 def forward(inp: AttentionInputs, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``kernel(q, k, v, cu_q, cu_k, max_q, max_k) -> (out, lse)`` and convert to packattn's conventions."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
+    q, k, v = _unit_last_stride(inp.q, inp.k, inp.v)
     layout = inp.layout
-    if layout.total_q == 0 or layout.max_k == 0:  # nothing to compute: every row sees no key
+    if _nothing_to_compute(inp):
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
         return out, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cu_q, cu_k = device_offsets(layout.cu_q, q.device), device_offsets(layout.cu_k, q.device)
@@ -67,3 +77,20 @@ def forward(inp: AttentionInputs, kernel: Kernel) -> tuple[torch.Tensor, torch.T
     if lse.shape != (q.shape[1], q.shape[0]):
         lse = lse.transpose(0, 1)  # some releases document (Tq, Hq)
     return out.contiguous(), lse.float().masked_fill(lse == float("inf"), float("-inf")).contiguous()
+
+
+BackwardKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def backward(
+    inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, kernel: BackwardKernel
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k) -> (dq, dk, dv)`` on the tensors the
+    forward kernel saw (unit last stride) and its LSE convention (+inf for rows that see no key)."""
+    q, k, v, out, dout = _unit_last_stride(inp.q, inp.k, inp.v, out, dout)
+    if _nothing_to_compute(inp):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    layout = inp.layout
+    cu_q, cu_k = device_offsets(layout.cu_q, q.device), device_offsets(layout.cu_k, q.device)
+    kernel_lse = lse.float().masked_fill(torch.isneginf(lse), float("inf")).contiguous()
+    return kernel(dout, q, k, v, out, kernel_lse, cu_q, cu_k, layout.max_q, layout.max_k)

@@ -3,8 +3,9 @@
 Its conventions are flash-attn's own: int32 offsets on the device, ``max_seqlen_*`` as
 Python ints (taken from the host copies, no device sync), bottom-right causal and ``(left, right)`` windows as
 ours, soft-capping since flash-attn 2.6, LSE ``(Hq, Tq)`` with +inf for rows that see no key (converted to
--inf here). Its gradients come from packattn's exact kernels (see :mod:`.fa2_convention`): flash-attn's
-own backward ignores the LSE's gradient.
+-inf here). Gradients: flash-attn's own backward kernel when the LSE has no gradient (it cannot take one;
+``deterministic`` is passed on), else packattn's exact kernels (see :mod:`.fa2_convention`).
+
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ..inputs import AttentionInputs
 from . import fa2_convention
+from .base import Grads
 
 
 @functools.cache
@@ -30,6 +32,35 @@ def _varlen_func():
     if "softcap" not in inspect.signature(flash_attn_varlen_func).parameters:
         return None, "flash_attn is older than 2.6 (no softcap argument); packattn needs flash_attn >= 2.6"
     return flash_attn_varlen_func, None
+
+
+def _varlen_backward():
+    """flash-attn's varlen backward op (``torch.ops.flashattn``, flash_attn >= 2.7), or None."""
+    if _varlen_func()[0] is None:  # importing flash_attn registers its ops
+        return None
+    return getattr(torch.ops.flashattn, "_flash_attn_varlen_backward", None)
+
+
+def backward(
+    inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients through ``out`` on flash-attn's backward kernel, which (unlike its public function) takes
+    head dims that are multiples of 8 only: they are zero-padded here, as flash-attn's own autograd does."""
+    op, m, d = _varlen_backward(), inp.mask, inp.head_dim
+    pad = -d % 8
+
+    def kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k):
+        if pad:
+            dout, q, k, v, out = (torch.nn.functional.pad(t, (0, pad)) for t in (dout, q, k, v, out))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        op(
+            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, m.scale, m.causal, m.left, m.right,
+            m.softcap, None, inp.deterministic, None,
+        )  # fmt: skip
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+
+    with torch.no_grad():
+        return fa2_convention.backward(inp, out, lse, dout, kernel)
 
 
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +89,18 @@ class FlashAttn(fa2_convention.Fa2Convention):
         installed = "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None
         return why if installed else f"{why}; flash_attn is not installed"
 
+    def own_backward_reasons(self, inp: AttentionInputs) -> list[str]:
+        if _varlen_backward() is None:
+            return ["this flash_attn has no torch.ops.flashattn._flash_attn_varlen_backward (flash_attn >= 2.7)"]
+        return []
+
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return forward(inp)
+
+    def backward(
+        self, inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+    ) -> Grads:
+        return backward(inp, out, lse, dout)
 
 
 BACKEND = FlashAttn()
