@@ -1,13 +1,21 @@
-"""Parse and validate ``cu_seqlens`` into one frozen :class:`SeqLayout`."""
+"""Parse and validate ``cu_seqlens`` into one frozen :class:`SeqLayout`, and the plans derived from one."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+T = TypeVar("T")
+# Plans of the most recent layouts: a model's layers call attention many times on one batch layout.
+_PLANS: OrderedDict[tuple[object, ...], object] = OrderedDict()
+PLAN_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -36,23 +44,45 @@ class SeqLayout:
         return self.host_k[-1]
 
     def seqlens_q(self) -> list[int]:
-        return [b - a for a, b in zip(self.host_q, self.host_q[1:], strict=False)]
+        return list(self._lengths_q)
 
     def seqlens_k(self) -> list[int]:
-        return [b - a for a, b in zip(self.host_k, self.host_k[1:], strict=False)]
+        return list(self._lengths_k)
 
-    @property
+    @functools.cached_property
+    def _lengths_q(self) -> tuple[int, ...]:
+        return tuple(map(operator.sub, self.host_q[1:], self.host_q))
+
+    @functools.cached_property
+    def _lengths_k(self) -> tuple[int, ...]:
+        return tuple(map(operator.sub, self.host_k[1:], self.host_k))
+
+    @functools.cached_property
     def max_q(self) -> int:
-        return max(self.seqlens_q(), default=0)
+        return max(self._lengths_q, default=0)
 
-    @property
+    @functools.cached_property
     def max_k(self) -> int:
-        return max(self.seqlens_k(), default=0)
+        return max(self._lengths_k, default=0)
 
     def sequences(self) -> list[tuple[int, int, int, int]]:
         """``(q_start, q_end, k_start, k_end)`` for every sequence."""
         hq, hk = self.host_q, self.host_k
-        return [(hq[b], hq[b + 1], hk[b], hk[b + 1]) for b in range(self.batch)]
+        return list(zip(hq, hq[1:], hk, hk[1:], strict=False))
+
+    def plan(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, computed once for these offsets and ``key`` (what else it depends on: the mask, a
+        device, a block size) and kept for the next calls on the same layout (a model's other layers); the
+        most recent :data:`PLAN_CACHE_SIZE` plans are kept. ``build`` must depend on nothing else."""
+        full = (self.host_q, self.host_k, key)
+        if full in _PLANS:
+            _PLANS.move_to_end(full)
+            return _PLANS[full]  # type: ignore[return-value]
+        value = build()
+        _PLANS[full] = value
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+        return value
 
     @staticmethod
     def build(
@@ -118,7 +148,8 @@ def _host_values(
         values = tuple(host)
     except TypeError:
         raise TypeError(f"{where}: {name}_host must be a list/tuple of ints, got {type(host).__name__}") from None
-    if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in values):
+    plain = set(map(type, values)) <= {int}  # the common case, checked without a Python-level loop
+    if not plain and not all(isinstance(x, kinds) and not isinstance(x, bool) for x in values):
         raise TypeError(f"{where}: {name}_host must hold only Python ints, got {values!r}")
     if len(values) != cu.numel():
         raise ValueError(f"{where}: {name}_host must have the same length as {name} ({cu.numel()}), got {len(values)}")
@@ -151,10 +182,10 @@ def check_traced(
 def _check_offsets(host: tuple[int, ...], total: int, name: str, total_name: str, where: str) -> None:
     if host[0] != 0:
         raise ValueError(f"{where}: {name} must start at 0, got {host[0]}")
-    for b in range(len(host) - 1):
-        if host[b + 1] < host[b]:
-            raise ValueError(
-                f"{where}: {name} must be non-decreasing, got {host[b]} then {host[b + 1]} at positions {b} and {b + 1}"
-            )
+    if not all(map(operator.le, host, host[1:])):
+        b = next(b for b in range(len(host) - 1) if host[b + 1] < host[b])
+        raise ValueError(
+            f"{where}: {name} must be non-decreasing, got {host[b]} then {host[b + 1]} at positions {b} and {b + 1}"
+        )
     if host[-1] != total:
         raise ValueError(f"{where}: {name} must end at {total_name} ({total}), got {host[-1]}")

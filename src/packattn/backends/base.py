@@ -67,11 +67,9 @@ def standard_reasons(label: str, caps: Capabilities, inp: AttentionInputs) -> li
         why.append(f"{label} takes head dims up to {caps.max_head_dim}, got D={d} and Dv={dv}")
     if caps.max_heads_q is not None and inp.heads_q > caps.max_heads_q:
         why.append(f"{label} takes at most {caps.max_heads_q} query heads, got {inp.heads_q}")
-    longest = max(layout.max_q, layout.max_k)
-    if caps.max_seqlen is not None and longest > caps.max_seqlen:
+    if caps.max_seqlen is not None and (longest := max(layout.max_q, layout.max_k)) > caps.max_seqlen:
         why.append(f"{label} takes sequences of at most {caps.max_seqlen} tokens, got one of {longest}")
-    total = max(layout.total_q, layout.total_k)
-    if caps.max_tokens is not None and total > caps.max_tokens:
+    if caps.max_tokens is not None and (total := max(layout.total_q, layout.total_k)) > caps.max_tokens:
         why.append(f"{label} takes at most {caps.max_tokens} tokens per call, got {total}")
     if not caps.softcap and mask.softcap > 0:
         why.append(f"{label} has no soft-capping (softcap={mask.softcap})")

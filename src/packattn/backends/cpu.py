@@ -31,6 +31,7 @@ from typing import cast
 import torch
 
 from ..inputs import AttentionInputs, MaskSpec
+from ..layout import SeqLayout
 from ..merge import merge_attention_states
 from . import reference
 from .base import Backend, Capabilities, backward_of
@@ -119,10 +120,14 @@ def _banded_sequence(
     return pieces
 
 
-def _runs(inp: AttentionInputs) -> list[tuple[int, int, int, int, int]]:
+def _runs(inp: AttentionInputs) -> tuple[tuple[int, int, int, int, int], ...]:
     """``(q_start, lq, k_start, lk, n)``: maximal runs of consecutive sequences with equal, non-zero sides."""
+    return inp.layout.plan("cpu runs", lambda: _find_runs(inp.layout))
+
+
+def _find_runs(layout: SeqLayout) -> tuple[tuple[int, int, int, int, int], ...]:
     runs: list[tuple[int, int, int, int, int]] = []
-    for qs, qe, ks, ke in inp.layout.sequences():
+    for qs, qe, ks, ke in layout.sequences():
         lq, lk = qe - qs, ke - ks
         if lq == 0 or lk == 0:
             continue
@@ -132,7 +137,7 @@ def _runs(inp: AttentionInputs) -> list[tuple[int, int, int, int, int]]:
                 runs[-1] = (rq, rlq, rk, rlk, n + 1)
                 continue
         runs.append((qs, lq, ks, lk, 1))
-    return runs
+    return tuple(runs)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,12 @@ DECODE_ROWS = 16
 
 
 def _offsets(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor(inp.layout.host_q, dtype=torch.int64), torch.tensor(inp.layout.host_k, dtype=torch.int64)
+    layout = inp.layout
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(layout.host_q, dtype=torch.int64), torch.tensor(layout.host_k, dtype=torch.int64)
+
+    return layout.plan("cpu_kernel offsets", build)
 
 
 def _mask_args(inp: AttentionInputs) -> tuple[float, float, int, int]:
