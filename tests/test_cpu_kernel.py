@@ -107,7 +107,7 @@ def test_parallel_loops_use_every_thread():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert build.load().parallel_threads() == 2
+        assert build.load()._test_parallel_threads() == 2
     finally:
         torch.set_num_threads(before)
 
@@ -198,6 +198,66 @@ def test_bad_inputs_never_reach_the_kernel(bad, monkeypatch):
             args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], backend="cpu_kernel", **options
         )
     assert spy.calls == 0
+
+
+def _direct_args(**change):
+    """Arguments of a valid direct call of the compiled forward and backward, with some replaced."""
+    q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 6)
+    args = {"q": q, "k": k, "v": v, "cu_q": torch.tensor([0, 3, 7]), "cu_k": torch.tensor([0, 4, 9])}
+    args.update(dout=torch.randn(7, 4, 6), lse=torch.zeros(4, 7), delta=torch.zeros(4, 7))
+    args.update(scale=0.3, softcap=0.0, left=-1, right=-1)
+    args.update(change)
+    return args
+
+
+# What the C++ entry points refuse on their own when called directly (the second line behind validation):
+# each would otherwise divide by zero or read out of bounds.
+DIRECT_BAD = {
+    "no_query_heads": ({"q": torch.randn(7, 0, 8), "dout": torch.randn(7, 0, 6)}, "query heads"),
+    "no_kv_heads": ({"k": torch.randn(9, 0, 8), "v": torch.randn(9, 0, 6)}, "query heads"),
+    "heads_not_multiple": ({"q": torch.randn(7, 3, 8), "dout": torch.randn(7, 3, 6)}, "multiple"),
+    "int32_offsets": ({"cu_q": torch.tensor([0, 3, 7], dtype=torch.int32)}, "cu_q of dtype Long"),
+    "offsets_past_tokens": ({"cu_k": torch.tensor([0, 4, 10])}, "cu_k to end at the token count"),
+    "offsets_decreasing": ({"cu_q": torch.tensor([0, 5, 3, 7]), "cu_k": torch.tensor([0, 4, 4, 9])}, "non-decreasing"),
+    "offsets_lengths": ({"cu_k": torch.tensor([0, 2, 4, 9])}, "of one length"),
+    "strided_offsets": ({"cu_q": torch.tensor([0, 9, 3, 9, 7, 9])[::2]}, "contiguous"),
+    "mixed_dtypes": ({"k": torch.randn(9, 2, 8).half()}, "of q's dtype"),
+    "float64": ({"q": torch.randn(7, 4, 8).double()}, "dtype Float, BFloat16 or Half"),
+    "head_dims": ({"k": torch.randn(9, 2, 5)}, "one head_dim"),
+    "window": ({"left": -2}, "window bounds"),
+    "scale": ({"scale": float("inf")}, "scale"),
+}
+DIRECT_BAD_BACKWARD = {
+    "short_lse": ({"lse": torch.zeros(4, 6)}, "lse of shape"),
+    "fp16_delta": ({"delta": torch.zeros(4, 7).half()}, "delta of dtype Float"),
+    "strided_lse": ({"lse": torch.zeros(7, 4).t()}, "lse contiguous"),
+    "dout_shape": ({"dout": torch.randn(7, 4, 8)}, "dout of shape"),
+}
+
+
+@pytest.mark.parametrize("bad", [*DIRECT_BAD, *DIRECT_BAD_BACKWARD])
+def test_entry_points_check_their_own_inputs(bad):
+    change, message = {**DIRECT_BAD, **DIRECT_BAD_BACKWARD}[bad]
+    a = _direct_args(**change)
+    module = build.load()
+    fwd = (a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["scale"], a["softcap"], a["left"], a["right"], True)
+    bwd = (a["q"], a["k"], a["v"], a["dout"], a["lse"], a["delta"], a["cu_q"], a["cu_k"])
+    bwd += (a["scale"], a["softcap"], a["left"], a["right"])
+    if bad in DIRECT_BAD:
+        with pytest.raises(RuntimeError, match=message):
+            module.forward(*fwd)
+    with pytest.raises(RuntimeError, match=message):
+        module.backward(*bwd)
+
+
+def test_entry_points_run_on_valid_direct_calls():
+    """The checks above refuse only what is wrong: the same direct call, unchanged, runs."""
+    a = _direct_args()
+    module = build.load()
+    out, lse = module.forward(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1, True)
+    assert out.shape == (7, 4, 6) and lse.shape == (4, 7)
+    grads = module.backward(a["q"], a["k"], a["v"], a["dout"], lse, a["delta"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1)
+    assert [g.shape for g in grads] == [a["q"].shape, a["k"].shape, a["v"].shape]
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:

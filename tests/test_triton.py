@@ -114,9 +114,9 @@ def test_dispatch_tries_it_on_cuda_only():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_tiles_are_powers_of_two_at_least_16(dtype, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    for stage in ("forward", "backward"):
+    for stage in tri.STAGES:
         for head_dim in (16, 64, 96, 128, 192, 256):
-            cfg = tri.blocks(stage, DTYPES[dtype], head_dim)
+            cfg = tri.blocks(stage, DTYPES[dtype], head_dim, head_dim, tri.TARGETS["sm80"])
             for size in (cfg.m, cfg.n):
                 assert size >= 16 and size & (size - 1) == 0, (stage, head_dim, cfg)
 

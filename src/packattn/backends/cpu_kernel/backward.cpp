@@ -9,6 +9,8 @@
 namespace packattn_kernel {
 namespace {
 
+using namespace detail;
+
 constexpr int64_t kBwdRows = 64;   // target G x block_q rows
 constexpr int64_t kBwdKeys = 128;  // keys per tile
 
@@ -241,10 +243,15 @@ void run_backward(const BwdArgs<T>& a) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& lse,
-    const at::Tensor& delta, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, double softcap,
-    int64_t left, int64_t right) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k,
+                                                                  const at::Tensor& v, const at::Tensor& dout,
+                                                                  const at::Tensor& lse, const at::Tensor& delta,
+                                                                  const at::Tensor& cu_q, const at::Tensor& cu_k,
+                                                                  double scale, double softcap, int64_t left,
+                                                                  int64_t right) {
+  constexpr const char* kWhere = "packattn cpu_kernel backward";
+  check_inputs(kWhere, q, k, v, cu_q, cu_k, scale, softcap, left, right);
+  check_grad_inputs(kWhere, q, v, dout, lse, delta);
   const int64_t tq = q.size(0), hq = q.size(1), tk = k.size(0), hkv = k.size(1);
   const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
   const Mask mask{(float)scale, (float)softcap, left, right};
@@ -253,9 +260,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto dq = at::empty({tq, hq, sh.d}, f32), dk = at::empty({tk, hkv, sh.d}, f32), dv = at::empty({tk, hkv, sh.dv}, f32);
   const int64_t block_q = std::max<int64_t>(1, kBwdRows / sh.g);
   PACKATTN_DISPATCH(q.scalar_type(), "packattn_backward", [&] {
-    const BwdArgs<scalar_t> a{seqs, mask, sh, rows_of<scalar_t>(q), rows_of<scalar_t>(k), rows_of<scalar_t>(v),
-                              rows_of<scalar_t>(dout), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                              dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), tq, hq, block_q};
+    const BwdArgs<scalar_t> a{seqs,
+                              mask,
+                              sh,
+                              rows_of<scalar_t>(q),
+                              rows_of<scalar_t>(k),
+                              rows_of<scalar_t>(v),
+                              rows_of<scalar_t>(dout),
+                              lse.data_ptr<float>(),
+                              delta.data_ptr<float>(),
+                              dq.data_ptr<float>(),
+                              dk.data_ptr<float>(),
+                              dv.data_ptr<float>(),
+                              tq,
+                              hq,
+                              block_q};
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (use_amx(q.scalar_type())) return run_backward<at::BFloat16>(a);
     }

@@ -1,5 +1,5 @@
-"""Compile the kernel (``kernel.h``, ``forward.cpp``, ``backward.cpp``, ``module.cpp``) on first use with
-``torch.utils.cpp_extension.load`` and cache the result.
+"""Compile the kernel (``forward.cpp``, ``backward.cpp``, ``module.cpp`` and the headers beside them) on first
+use with ``torch.utils.cpp_extension.load`` and cache the result.
 
 The cache holds one build per torch version, CPU capability (ATen's, e.g. ``AVX512``, ``AVX2``; the
 ``ATEN_CPU_CAPABILITY`` variable lowers it) and source: ``$PACKATTN_CACHE_DIR``, else
@@ -22,7 +22,7 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("forward.cpp", "backward.cpp", "module.cpp")]
-HEADERS = [HERE / "kernel.h"]
+HEADERS = sorted(HERE.glob("*.h"))  # every header here, so that each is part of the build's key
 
 # Flags per ATen CPU capability: the ones ATen's own kernels of that capability are compiled with.
 _ISA_FLAGS = {
@@ -46,7 +46,11 @@ def cache_dir() -> Path:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
+    sha = hashlib.sha256()
+    for path in SOURCES + HEADERS:  # names and contents: code moved between files is a new build too
+        data = path.read_bytes()
+        sha.update(f"{path.name}\0{len(data)}\0".encode() + data)
+    digest = sha.hexdigest()[:12]
     return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}"
 
 

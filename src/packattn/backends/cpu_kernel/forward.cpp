@@ -5,6 +5,8 @@
 namespace packattn_kernel {
 namespace {
 
+using namespace detail;
+
 constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward item
 constexpr int64_t kFwdKeys = 256;  // keys per score tile
 
@@ -14,6 +16,17 @@ struct FwdWork {
   float *s, *acc, *m, *l;
   E *q, *p, *tmp, *scratch;
   TileCache<E> kt, v;  // K^T and V tiles of the current (sequence, KV head)
+};
+
+template <typename T>
+struct FwdArgs {
+  const std::vector<Seq>& seqs;
+  Mask mask;
+  Shape sh;
+  Rows<T> q, k, v;
+  T* out;
+  float* lse;  // nullptr: no LSE
+  int64_t tq, hq, block_q;
 };
 
 // Online softmax of one row of raw scores over its visible columns [c0, c1): writes exp(score - m_new) there
@@ -52,12 +65,13 @@ float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
 }
 
 template <typename E, typename T>
-void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh,
-                  const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, T* out, float* lse, int64_t hq, int64_t tq) {
-  const Seq& s = seqs[it.b];
+void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
+  const Seq& s = a.seqs[it.b];
+  const Mask& mask = a.mask;
+  const Shape& sh = a.sh;
   const int64_t i0 = it.r0, i1 = it.r1, bq = i1 - i0, rows = sh.g * bq, mp = pad16(rows), d = sh.d, dv = sh.dv;
   const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv);
-  load_group(q, s, i0, bq, it.h, sh.g, d, dp, w.q);
+  load_group(a.q, s, i0, bq, it.h, sh.g, d, dp, w.q);
   std::fill(w.m, w.m + rows, kNegInf);
   std::fill(w.l, w.l + rows, 0.f);
   std::fill(w.acc, w.acc + mp * ldo, 0.f);
@@ -67,7 +81,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
     const int64_t j0 = tile * kFwdKeys, bk = std::min(s.lk, j0 + kFwdKeys) - j0;
     const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
     const E* kt = w.kt.get(it.b, it.h, tile, [&](E* slot) {
-      prepare_keys(k, s.k0 + j0, bk, it.h, d, dp, true, slot, w.tmp, w.scratch);
+      prepare_keys(a.k, s.k0 + j0, bk, it.h, d, dp, true, slot, w.tmp, w.scratch);
     });
     mm(mp, n, dp, w.q, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j0 + bk);
@@ -76,12 +90,12 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
       auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
       const float alpha = softmax_row(w.s + r * n, p + r * n, c0, c1, n, score, w.m[r], w.l[r]);
       if (alpha != 1.f) {
-        const Vec a(alpha);
-        at::vec::map([a](Vec x) { return x * a; }, w.acc + r * ldo, w.acc + r * ldo, dv);
+        const Vec factor(alpha);
+        at::vec::map([factor](Vec x) { return x * factor; }, w.acc + r * ldo, w.acc + r * ldo, dv);
       }
     }
     const E* vb = w.v.get(it.b, it.h, tile, [&](E* slot) {
-      prepare_keys(v, s.k0 + j0, bk, it.h, dv, ldo, false, slot, w.tmp, w.scratch);
+      prepare_keys(a.v, s.k0 + j0, bk, it.h, dv, ldo, false, slot, w.tmp, w.scratch);
     });
     mm(mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
   }
@@ -91,19 +105,17 @@ void forward_item(const Item& it, FwdWork<E>& w, const std::vector<Seq>& seqs, c
     const bool seen = w.l[r] > 0.f;
     const Vec inv(seen ? 1.f / w.l[r] : 0.f);
     at::vec::map([inv](Vec x) { return x * inv; }, acc, acc, dv);
-    at::vec::convert(acc, out + (t * hq + head) * dv, dv);
-    if (lse) lse[head * tq + t] = seen ? w.m[r] + std::log(w.l[r]) : kNegInf;
+    at::vec::convert(acc, a.out + (t * a.hq + head) * dv, dv);
+    if (a.lse) a.lse[head * a.tq + t] = seen ? w.m[r] + std::log(w.l[r]) : kNegInf;
   }
 }
 
 template <typename E, typename T>
-void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t mp,
-                 const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float* lse) {
-  const auto qr = rows_of<T>(q), kr = rows_of<T>(k), vr = rows_of<T>(v);
-  T* o = out.data_ptr<T>();
-  const int64_t hq = q.size(1), tq = q.size(0), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
+void run_forward(const FwdArgs<T>& a) {
+  const Shape& sh = a.sh;
+  const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
-  const int64_t tiles = max_blocks(seqs, kFwdKeys, true);
+  const int64_t tiles = max_blocks(a.seqs, kFwdKeys, true);
   auto make = [&] {
     FwdWork<E> w;
     w.s = buffer(w.keep, mp * kFwdKeys);
@@ -118,9 +130,8 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
     w.v.init(w.keep, tiles, kFwdKeys * ldo);
     return w;
   };
-  run_plan(plan, amx, make, [&](const Item& it, FwdWork<E>& w) {
-    forward_item(it, w, seqs, mask, sh, qr, kr, vr, o, lse, hq, tq);
-  });
+  const Plan plan = make_plan(a.seqs, a.mask, sh, a.block_q, false);
+  run_plan(plan, amx, make, [&](const Item& it, FwdWork<E>& w) { forward_item(it, w, a); });
 }
 
 }  // namespace
@@ -128,20 +139,30 @@ void run_forward(const Plan& plan, const std::vector<Seq>& seqs, const Mask& mas
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
                                                      double softcap, int64_t left, int64_t right, bool with_lse) {
+  check_inputs("packattn cpu_kernel forward", q, k, v, cu_q, cu_k, scale, softcap, left, right);
   const int64_t tq = q.size(0), hq = q.size(1), hkv = k.size(1);
   const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
   const Mask mask{(float)scale, (float)softcap, left, right};
   const auto seqs = sequences(cu_q, cu_k);
   auto out = at::empty({tq, hq, sh.dv}, q.options());
   auto lse = with_lse ? at::empty({hq, tq}, q.options().dtype(at::kFloat)) : at::Tensor();
-  float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
-  const int64_t block_q = std::max<int64_t>(1, kFwdRows / sh.g), mp = pad16(sh.g * block_q);
-  const Plan plan = make_plan(seqs, mask, sh, block_q, false);
+  const int64_t block_q = std::max<int64_t>(1, kFwdRows / sh.g);
   PACKATTN_DISPATCH(q.scalar_type(), "packattn_forward", [&] {
+    const FwdArgs<scalar_t> a{seqs,
+                              mask,
+                              sh,
+                              rows_of<scalar_t>(q),
+                              rows_of<scalar_t>(k),
+                              rows_of<scalar_t>(v),
+                              out.data_ptr<scalar_t>(),
+                              with_lse ? lse.data_ptr<float>() : nullptr,
+                              tq,
+                              hq,
+                              block_q};
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (use_amx(q.scalar_type())) return run_forward<at::BFloat16, scalar_t>(plan, seqs, mask, sh, mp, q, k, v, out, lse_p);
+      if (use_amx(q.scalar_type())) return run_forward<at::BFloat16>(a);
     }
-    run_forward<float, scalar_t>(plan, seqs, mask, sh, mp, q, k, v, out, lse_p);
+    run_forward<float>(a);
   });
   return {out, lse};
 }

@@ -1,27 +1,35 @@
-// Python bindings of packattn's CPU kernel (see kernel.h).
+// Python bindings of packattn's CPU kernel (kernel.h): the forward and backward entry points, whether bf16
+// runs on matrix units, and one test hook.
 #include <torch/extension.h>
 
+#include <cstddef>
 #include <mutex>
 #include <set>
 
 #include "kernel.h"
 
+namespace {
+
+// Test hook, not used by packattn itself: how many distinct threads one of ATen's parallel loops runs on
+// (at most torch.get_num_threads()). ATen's parallel_for is a header template over `#pragma omp parallel`, so
+// it is compiled with this module's flags: the test checks that the build gives the kernel's loops torch's
+// thread pool (-fopenmp) rather than one thread.
+size_t test_parallel_threads() {
+  std::set<int> seen;
+  std::mutex lock;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const std::lock_guard<std::mutex> guard(lock);
+    seen.insert(at::get_thread_num());
+  });
+  return seen.size();
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &packattn_kernel::attention_forward, "packed varlen attention forward -> (out, lse)");
   m.def("backward", &packattn_kernel::attention_backward, "packed varlen attention backward -> (dq, dk, dv), fp32");
-  m.def(
-      "matrix_units", [] { return packattn_kernel::use_amx(at::kBFloat16); },
-      "whether bf16 tiles run on the CPU's matrix units (AMX)");
-  m.def(
-      "parallel_threads",
-      [] {
-        std::set<int> seen;
-        std::mutex lock;
-        at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-          const std::lock_guard<std::mutex> guard(lock);
-          seen.insert(at::get_thread_num());
-        });
-        return seen.size();
-      },
-      "how many threads the kernel's parallel loops run on (at most torch.get_num_threads())");
+  m.def("matrix_units", &packattn_kernel::matrix_units, "whether bf16 tiles run on the CPU's matrix units (AMX)");
+  m.def("_test_parallel_threads", &test_parallel_threads,
+        "test hook: how many threads the kernel's parallel loops run on (at most torch.get_num_threads())");
 }

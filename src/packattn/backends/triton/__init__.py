@@ -15,6 +15,7 @@ when ``TRITON_INTERPRET=1`` is set (Triton's interpreter, for tests); ``import t
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -48,6 +49,24 @@ def _kernels() -> ModuleType:
 
 
 @dataclass(frozen=True)
+class Target:
+    """What the tile choice needs to know of a GPU."""
+
+    capability: int  # major * 10 + minor: 86 for sm86
+    shared: int  # bytes of shared memory one block may use (the opt-in maximum)
+
+
+# The GPUs the compile check (tests/test_triton_compile.py) builds every launchable config for.
+TARGETS = {
+    "sm80": Target(80, 163 * 1024),  # A100, A30
+    "sm86": Target(86, 99 * 1024),  # A10, A40, RTX 3090
+    "sm89": Target(89, 99 * 1024),  # L4, L40, RTX 4090
+    "sm90": Target(90, 227 * 1024),  # H100, H200
+}
+STAGES = ("forward", "dkdv", "dq")
+
+
+@dataclass(frozen=True)
 class Blocks:
     """Tile sizes (powers of two >= 16) and launch options of one kernel."""
 
@@ -57,11 +76,12 @@ class Blocks:
     stages: int = 2
 
 
-def blocks(stage: str, dtype: torch.dtype, head_dim: int) -> Blocks:
-    """Tiles for ``stage`` ("forward" or "backward") by dtype and the larger head dim: big tiles for 16-bit
-    inputs (tensor cores, half the bytes), smaller for fp32 and fp64 (registers and shared memory)."""
-    if _interpreting():
+def blocks(stage: str, dtype: torch.dtype, head_dim: int, head_dim_v: int, target: Target | None) -> Blocks:
+    """Tiles and launch options of ``stage`` ("forward", "dkdv" or "dq") on ``target`` (None: Triton's
+    interpreter, which gets :data:`INTERPRETER_BLOCKS`)."""
+    if target is None:
         return Blocks(*INTERPRETER_BLOCKS)
+    head_dim = max(head_dim, head_dim_v)
     wide = head_dim > 128
     if dtype == torch.float64:
         return Blocks(16, 16, 4, 1) if wide else Blocks(32, 32, 4, 1)
@@ -72,6 +92,81 @@ def blocks(stage: str, dtype: torch.dtype, head_dim: int) -> Blocks:
     if stage == "forward":
         return Blocks(64, 32, 4, 2) if wide else Blocks(128, 64, 8 if head_dim > 64 else 4, 3)
     return Blocks(32, 32, 4, 1) if wide else Blocks(64, 64, 8 if head_dim > 64 else 4, 2)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything one launch compiles for: the kernel (a name in ``kernels.py``), its tiles and launch
+    options, and its compile-time arguments."""
+
+    kernel: str
+    blocks: Blocks
+    constexprs: dict[str, object]
+
+    @property
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.blocks.warps, "num_stages": self.blocks.stages}
+
+
+def launch_config(
+    stage: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+    *,
+    softcap: bool,
+    has_left: bool,
+    has_right: bool,
+    target: Target | None,
+) -> Launch:
+    """The launch of ``stage`` for these inputs on ``target`` (None: Triton's interpreter): what the
+    wrapper launches and what the compile check builds."""
+    import triton
+    import triton.language as tl
+
+    cfg = blocks(stage, dtype, head_dim, head_dim_v, target)
+    dot = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}.get(dtype, tl.float64)
+    if dtype == torch.bfloat16 and target is None:
+        dot = tl.float32  # the interpreter's dot reads bf16 storage as integers
+    constexprs: dict[str, object] = {
+        "SOFTCAP": softcap,
+        "HAS_LEFT": has_left,
+        "HAS_RIGHT": has_right,
+        "BLOCK_M": cfg.m,
+        "BLOCK_N": cfg.n,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_DV": max(16, triton.next_power_of_2(head_dim_v)),
+        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+        "DOT": dot,
+        "PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
+    }
+    return Launch(f"{stage}_kernel", cfg, constexprs)
+
+
+@functools.cache
+def _device_target(index: int) -> Target:
+    props = torch.cuda.get_device_properties(index)
+    capability = props.major * 10 + props.minor
+    # Older torch lacks the opt-in maximum: the static 48 KB per block is what a launch can surely use.
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 48 * 1024)
+    return Target(capability, int(shared))
+
+
+def _target(device: torch.device) -> Target | None:
+    """The GPU of ``device`` (None under Triton's interpreter)."""
+    if _interpreting():
+        return None
+    return _device_target(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _launch_config(stage: str, inp: AttentionInputs) -> Launch:
+    mask = inp.mask
+    switches = {"softcap": mask.softcap > 0, "has_left": mask.left >= 0, "has_right": mask.right >= 0}
+    return launch_config(stage, inp.q.dtype, inp.head_dim, inp.head_dim_v, **switches, target=_target(inp.q.device))
+
+
+def _launch(launch: Launch, grid: tuple[int, int], *args: object) -> None:
+    getattr(_kernels(), launch.kernel)[grid](*args, **launch.constexprs, **launch.options)
 
 
 def _table(inp: AttentionInputs, block: int, *, by_keys: bool) -> torch.Tensor:
@@ -98,34 +193,9 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _options(inp: AttentionInputs, cfg: Blocks) -> dict[str, object]:
-    """Mask bounds, dims and compile-time switches shared by the three kernels."""
-    import triton
-    import triton.language as tl
-
-    dtype = inp.q.dtype
-    dot = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}.get(dtype, tl.float64)
-    if dtype == torch.bfloat16 and _interpreting():
-        dot = tl.float32  # the interpreter's dot reads bf16 storage as integers
-    return {
-        "left": inp.mask.left,
-        "right": inp.mask.right,
-        "G": inp.heads_q // inp.heads_kv,
-        "D": inp.head_dim,
-        "DV": inp.head_dim_v,
-        "SOFTCAP": inp.mask.softcap > 0,
-        "HAS_LEFT": inp.mask.left >= 0,
-        "HAS_RIGHT": inp.mask.right >= 0,
-        "BLOCK_M": cfg.m,
-        "BLOCK_N": cfg.n,
-        "BLOCK_D": max(16, triton.next_power_of_2(inp.head_dim)),
-        "BLOCK_DV": max(16, triton.next_power_of_2(inp.head_dim_v)),
-        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
-        "DOT": dot,
-        "PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
-        "num_warps": cfg.warps,
-        "num_stages": cfg.stages,
-    }
+def _bounds(inp: AttentionInputs) -> tuple[int, ...]:
+    """The kernels' last runtime arguments: mask bounds, query heads per KV head and head dims."""
+    return inp.mask.left, inp.mask.right, inp.heads_q // inp.heads_kv, inp.head_dim, inp.head_dim_v
 
 
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,14 +206,11 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(hq, tq, dtype=compute_dtype(q.dtype), device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = blocks("forward", q.dtype, max(inp.head_dim, inp.head_dim_v))
-    table = _table(inp, cfg.m, by_keys=False)
-    grid = ((table.numel() - 4) // 5, hq)
+    launch = _launch_config("forward", inp)
+    table = _table(inp, launch.blocks.m, by_keys=False)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0))
     with _on_device(q.device):
-        _kernels().forward_kernel[grid](
-            q, k, v, out, lse, table, *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0),
-            **_options(inp, cfg),
-        )  # fmt: skip
+        _launch(launch, ((table.numel() - 4) // 5, hq), q, k, v, out, lse, table, *strides, *_bounds(inp))
     return out, lse
 
 
@@ -160,19 +227,20 @@ def backward(
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfg = blocks("backward", q.dtype, max(inp.head_dim, inp.head_dim_v))
-    options = _options(inp, cfg)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), lse.stride(0))
-    kernels = _kernels()
     with _on_device(q.device):
-        table = _table(inp, cfg.n, by_keys=True)
-        kernels.dkdv_kernel[((table.numel() - 4) // 5, inp.heads_kv)](
-            q, k, v, dout, lse, delta, dk, dv, table, *common, *dk.stride(), *dv.stride(), **options
-        )
-        table = _table(inp, cfg.m, by_keys=False)
-        kernels.dq_kernel[((table.numel() - 4) // 5, inp.heads_q)](
-            q, k, v, dout, lse, delta, dq, table, *common, *dq.stride(), **options
-        )
+        launch = _launch_config("dkdv", inp)
+        table = _table(inp, launch.blocks.n, by_keys=True)
+        _launch(
+            launch, ((table.numel() - 4) // 5, inp.heads_kv),
+            q, k, v, dout, lse, delta, dk, dv, table, *common, *dk.stride(), *dv.stride(), *_bounds(inp),
+        )  # fmt: skip
+        launch = _launch_config("dq", inp)
+        table = _table(inp, launch.blocks.m, by_keys=False)
+        _launch(
+            launch, ((table.numel() - 4) // 5, inp.heads_q),
+            q, k, v, dout, lse, delta, dq, table, *common, *dq.stride(), *_bounds(inp),
+        )  # fmt: skip
     return dq, dk, dv
 
 

@@ -7,13 +7,17 @@ them unrounded and a call uploads one small tensor. Row indices are widened to i
 stride, and every stride is an argument.
 
 * Scores of a tile are ``scale * q.k`` (soft-capped through ``tanh``, built from ``exp`` so that the
-  interpreter runs it too). The element mask (window bounds, sequence ends) is applied only to tiles that
-  are not entirely visible; loops run only over the blocks the window can make visible.
+  interpreter runs it too), held in base 2: ``log2(e)`` is folded into the scale (into the cap with
+  softcap) once per program, in float64, so the softmax takes ``exp2`` of them, which the GPU computes
+  directly, with no multiply per element. The element mask (window bounds, sequence ends) is applied only
+  to tiles that are not entirely visible; loops run only over the blocks the window can make visible.
 * The forward keeps a running max ``m``, sum ``denom`` and accumulator in ``ACC`` (fp32, fp64 for fp64)
-  and stores ``out = acc / denom`` and ``lse = m + log(denom)``; rows that saw nothing store 0 and -inf.
-* The backward recomputes ``p = exp(s - lse)``. dK/dV: one program per (key block, KV head) loops over the
-  ``G`` query heads of its group and the query blocks that can see its keys; dQ: one program per
-  (query block, query head). Each output element is written by one program: no atomics, deterministic.
+  and stores ``out = acc / denom`` and the natural-log ``lse = (m + log2(denom)) * ln(2)``; rows that saw
+  nothing store 0 and -inf.
+* The backward recomputes ``p = exp2(s - lse * log2(e))`` (``dS`` stays in natural units). dK/dV: one
+  program per (key block, KV head) loops over the ``G`` query heads of its group and the query blocks
+  that can see its keys; dQ: one program per (query block, query head). Each output element is written
+  by one program: no atomics, deterministic.
 * ``DOT`` is the dtype of the ``tl.dot`` operands (the input dtype; fp32 for bf16 under the interpreter,
   whose dot reads bf16 as raw integers); ``PRECISION`` is ``"ieee"`` for fp32/fp64 (no TF32).
 """
@@ -33,11 +37,25 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
-def _params(TABLE, ACC: tl.constexpr):
-    """``scale`` and ``softcap``: two float64 at the head of the table (float scalar arguments are fp32)."""
+def _params(TABLE, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """From ``scale`` and ``softcap``, two float64 at the head of the table (float scalar arguments are
+    fp32): ``scale``, the factor of ``q.k`` (``scale * log2(e)``; ``scale / softcap``, the argument of
+    ``tanh``, with softcap) and the base-2 cap ``softcap * log2(e)``, each rounded once to ``ACC``."""
     prm = TABLE.to(tl.pointer_type(tl.float64))
-    return tl.load(prm).to(ACC), tl.load(prm + 1).to(ACC)
+    scale = tl.load(prm)
+    softcap = tl.load(prm + 1)
+    if SOFTCAP:
+        qk_scale = scale / softcap
+        cap = softcap * LOG2E
+    else:
+        qk_scale = scale * LOG2E
+        cap = softcap
+    return scale.to(ACC), qk_scale.to(ACC), cap.to(ACC)
 
 
 @triton.jit
@@ -72,17 +90,17 @@ def _query_range(j0, j1, off, lq, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT
 
 @triton.jit
 def _scores(
-    qk, i0, j0, i, j, off, lq, lk, scale, softcap, left, right,
+    qk, i0, j0, i, j, off, lq, lk, qk_scale, cap, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):  # fmt: skip
-    """Scores of the tile of rows ``i0 + [0, BLOCK_M)`` and keys ``j0 + [0, BLOCK_N)`` (``i``/``j`` are those
-    indices shaped to broadcast to the tile), and ``tanh`` of the soft-capped scores."""
-    s = qk * scale
+    """Base-2 scores of the tile of rows ``i0 + [0, BLOCK_M)`` and keys ``j0 + [0, BLOCK_N)`` (``i``/``j`` are
+    those indices shaped to broadcast to the tile), and ``tanh`` of the soft-capped scores."""
+    s = qk * qk_scale
     t = s
     if SOFTCAP:
-        t = _tanh(s / softcap)
-        s = t * softcap
+        t = _tanh(s)
+        s = t * cap
     # Only tiles with a hidden or out-of-range pair pay for the element mask.
     masked = (i0 + BLOCK_M > lq) | (j0 + BLOCK_N > lk)
     if HAS_LEFT:
@@ -129,7 +147,7 @@ def forward_kernel(
 ):  # fmt: skip
     h = tl.program_id(1)
     hk = h // G
-    scale, softcap = _params(TABLE, ACC)
+    _scale, qk_scale, cap = _params(TABLE, SOFTCAP, ACC)
     qs, lq, ks, lk, i0 = _row(TABLE, tl.program_id(0))
     off = lk - lq
     i = i0 + tl.arange(0, BLOCK_M)
@@ -157,8 +175,8 @@ def forward_kernel(
             off,
             lq,
             lk,
-            scale,
-            softcap,
+            qk_scale,
+            cap,
             left,
             right,
             BLOCK_M,
@@ -169,8 +187,8 @@ def forward_kernel(
         )
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         denom = denom * alpha + tl.sum(p, 1)
         vb = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, False).to(DOT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vb, input_precision=PRECISION, out_dtype=ACC).to(ACC)
@@ -179,7 +197,7 @@ def forward_kernel(
     out = acc / tl.where(seen, denom, 1.0)[:, None]
     o_ptr = OUT + qs.to(tl.int64) * so_t + h.to(tl.int64) * so_h
     _store(o_ptr, out, i, lq, so_t, dv, DV, so_d)
-    lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+    lse = tl.where(seen, (m + tl.log2(tl.where(seen, denom, 1.0))) * LN2, float("-inf"))
     tl.store(LSE + h.to(tl.int64) * sl_h + qs + i, lse, mask=i < lq)
 
 
@@ -194,7 +212,7 @@ def dkdv_kernel(
     ACC: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     hk = tl.program_id(1)
-    scale, softcap = _params(TABLE, ACC)
+    scale, qk_scale, cap = _params(TABLE, SOFTCAP, ACC)
     qs, lq, ks, lk, j0 = _row(TABLE, tl.program_id(0))
     off = lk - lq
     j = j0 + tl.arange(0, BLOCK_N)
@@ -218,11 +236,11 @@ def dkdv_kernel(
             qb = _tile(q_ptr, i, lq, sq_t, d, D, sq_d, False).to(DOT)
             qk = tl.dot(kb, tl.trans(qb), input_precision=PRECISION, out_dtype=ACC).to(ACC)
             s, t = _scores(
-                qk, i0, j0, i[None, :], j[:, None], off, lq, lk, scale, softcap, left, right,
+                qk, i0, j0, i[None, :], j[:, None], off, lq, lk, qk_scale, cap, left, right,
                 BLOCK_M, BLOCK_N, SOFTCAP, HAS_LEFT, HAS_RIGHT,
             )  # fmt: skip
             lse = tl.load(LSE + row_ptr + i, mask=i < lq, other=0.0)
-            p = tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[None, :])  # (keys, rows)
+            p = tl.exp2(s - (tl.where(lse == float("-inf"), 0.0, lse) * LOG2E)[None, :])  # (keys, rows)
             dob = _tile(do_ptr, i, lq, sdo_t, dv, DV, sdo_d, False).to(DOT)
             dvacc += tl.dot(p.to(DOT), dob, input_precision=PRECISION, out_dtype=ACC).to(ACC)
             dp = tl.dot(vb, tl.trans(dob), input_precision=PRECISION, out_dtype=ACC).to(ACC)
@@ -250,7 +268,7 @@ def dq_kernel(
 ):  # fmt: skip
     h = tl.program_id(1)
     hk = h // G
-    scale, softcap = _params(TABLE, ACC)
+    scale, qk_scale, cap = _params(TABLE, SOFTCAP, ACC)
     qs, lq, ks, lk, i0 = _row(TABLE, tl.program_id(0))
     off = lk - lq
     i = i0 + tl.arange(0, BLOCK_M)
@@ -264,7 +282,7 @@ def dq_kernel(
     dob = _tile(do_ptr, i, lq, sdo_t, dv, DV, sdo_d, False).to(DOT)
     row_ptr = h.to(tl.int64) * sl_h + qs
     lse = tl.load(LSE + row_ptr + i, mask=i < lq, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     delta = tl.load(DELTA + row_ptr + i, mask=i < lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     i1 = tl.minimum(i0 + BLOCK_M, lq)
@@ -282,8 +300,8 @@ def dq_kernel(
             off,
             lq,
             lk,
-            scale,
-            softcap,
+            qk_scale,
+            cap,
             left,
             right,
             BLOCK_M,
@@ -292,7 +310,7 @@ def dq_kernel(
             HAS_LEFT,
             HAS_RIGHT,
         )
-        p = tl.exp(s - lse[:, None])
+        p = tl.exp2(s - lse[:, None])
         vt = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, True).to(DOT)
         dp = tl.dot(dob, vt, input_precision=PRECISION, out_dtype=ACC).to(ACC)
         ds = p * (dp - delta[:, None])

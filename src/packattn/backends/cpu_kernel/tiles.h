@@ -1,0 +1,240 @@
+// How operands reach the matrix products: rows of the (tokens, heads, dim) tensors loaded, converted,
+// transposed and padded into tiles, B operands prepared once (packed to VNNI for bf16) and kept per
+// (sequence, KV head) in a TileCache, and the products themselves on ATen's batch-reduce GEMM
+// (cpublas::brgemm: oneDNN, else MKL), which picks its instructions at run time.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "mask.h"
+
+namespace packattn_kernel::detail {
+
+template <typename T>
+struct Rows {  // a (tokens, heads, dim) tensor with any strides
+  const T* data;
+  int64_t s0, s1, s2;
+  const T* at(int64_t t, int64_t h) const { return data + t * s0 + h * s1; }
+};
+
+template <typename T>
+Rows<T> rows_of(const at::Tensor& x) {
+  return {x.data_ptr<T>(), x.stride(0), x.stride(1), x.stride(2)};
+}
+
+template <typename U = float>
+U* buffer(std::vector<at::Tensor>& keep, int64_t n) {  // 64-byte aligned scratch
+  keep.push_back(at::empty({std::max<int64_t>(n, 1)}, c10::CppTypeToScalarType<U>::value));
+  return keep.back().data_ptr<U>();
+}
+
+template <typename T, typename U>
+void load_row(const T* src, int64_t stride, int64_t n, U* dst) {  // converted to U (fp32, or T itself)
+  if (stride == 1) {
+    at::vec::convert(src, dst, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i * stride]);
+  }
+}
+
+inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// Rows [t0, t0 + n) of head h as a [npad, ld] tile: columns from width on and rows from n on are zero.
+template <typename T, typename U>
+void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t ld, U* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    load_row(x.at(t0 + r, h), x.s2, width, dst + r * ld);
+    std::fill(dst + r * ld + width, dst + (r + 1) * ld, U(0));
+  }
+  std::fill(dst + n * ld, dst + npad * ld, U(0));
+}
+
+// [rows, cols] (ld_src) -> [cols, rows] (ld_dst) in blocks of ATen's vectorized transposes.
+template <typename E>
+void transpose(const E* src, int64_t rows, int64_t cols, int64_t ld_src, E* dst, int64_t ld_dst) {
+  constexpr int64_t kB = std::is_same_v<E, float> ? 16 : 32;
+  for (int64_t r = 0; r < rows; r += kB) {
+    for (int64_t c = 0; c < cols; c += kB) {
+      at::vec::transpose_mxn<E>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, (int)std::min(kB, rows - r),
+                                (int)std::min(kB, cols - c));
+    }
+  }
+}
+
+// The same rows transposed: a [width_pad, npad] tile, columns from n on and rows from width on zero. Read
+// straight from the tensor when it already holds U with unit last stride, else through `scratch` ([n, width]).
+template <typename T, typename U>
+void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t width_pad,
+                 U* dst, U* scratch) {
+  if constexpr (std::is_same_v<T, U>) {
+    if (x.s2 == 1 && x.s0 >= width) {
+      transpose(x.at(t0, h), n, width, x.s0, dst, npad);
+    } else {
+      load_tile(x, t0, n, n, h, width, width, scratch);
+      transpose(scratch, n, width, width, dst, npad);
+    }
+  } else {
+    load_tile(x, t0, n, n, h, width, width, scratch);
+    transpose(scratch, n, width, width, dst, npad);
+  }
+  for (int64_t c = 0; c < width; ++c) std::fill(dst + c * npad + n, dst + (c + 1) * npad, U(0));
+  std::fill(dst + width * npad, dst + width_pad * npad, U(0));
+}
+
+// The G x bq rows of a query-side tensor (q or dout) for KV head h as a [pad16(G x bq), ld] tile: row
+// gi * bq + ii is query row i0 + ii of query head h * G + gi; padding rows and columns are zero.
+template <typename T, typename U>
+void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t h, int64_t g, int64_t width, int64_t ld,
+                U* dst) {
+  for (int64_t gi = 0; gi < g; ++gi) {
+    for (int64_t ii = 0; ii < bq; ++ii) {
+      U* row = dst + (gi * bq + ii) * ld;
+      load_row(x.at(s.q0 + i0 + ii, h * g + gi), x.s2, width, row);
+      std::fill(row + width, row + ld, U(0));
+    }
+  }
+  std::fill(dst + g * bq * ld, dst + pad16(g * bq) * ld, U(0));
+}
+
+// Zeros in row[0, bk) outside the visible columns [c0, c1).
+template <typename E>
+void zero_outside(E* row, int64_t c0, int64_t c1, int64_t bk) {
+  std::fill(row, row + c0, E(0));
+  std::fill(row + std::max(c0, c1), row + bk, E(0));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Products: row-major C[M, N] (+)= A[M, K] @ B[K, N] on ATen's batch-reduce GEMM, with A and B fp32 tiles, or
+// bf16 tiles on the matrix units (AMX). B is prepared once and reused: fp32 as it is; bf16 packed to VNNI
+// in blocks of up to 64 columns (what oneDNN packs; K even, N a multiple of 16). Tile sizes are multiples
+// of 16, so few distinct shapes get generated and cached.
+
+// Whether tiles of this dtype run in bf16 on the matrix units (else as fp32 tiles: fp16, and bf16 without
+// AMX, are converted, never a plain low-precision matmul).
+inline bool use_amx(at::ScalarType dtype) { return dtype == at::kBFloat16 && at::native::cpublas::could_pack(dtype); }
+
+// Width of a tile dimension: bf16 tiles pad every dimension to 16 (VNNI), fp32 tiles need none.
+template <typename E>
+int64_t tile_width(int64_t n) {
+  return std::is_same_v<E, float> ? n : pad16(n);
+}
+
+// An fp32 tile as a tile of E: itself, or converted into buf.
+inline const float* as_tile(const float* x, int64_t, float*) { return x; }
+inline const at::BFloat16* as_tile(const float* x, int64_t n, at::BFloat16* buf) {
+  at::vec::convert(x, buf, n);
+  return buf;
+}
+
+struct BOperand {
+  const void* data;
+  int64_t ld;  // fp32: the row stride; packed bf16: the K the blocks were packed with (each K x block width)
+};
+
+constexpr int64_t kPackN = 64;
+
+// A B operand [k, n] (row stride ld) that prepare_b left at p.
+inline BOperand b_operand(const float* p, int64_t, int64_t ld) { return {p, ld}; }
+inline BOperand b_operand(const at::BFloat16* p, int64_t k, int64_t) { return {p, k}; }
+
+inline BOperand prepare_b(const float* b, int64_t, int64_t, int64_t ld, float*) { return {b, ld}; }
+
+inline BOperand prepare_b(const at::BFloat16* b, int64_t k, int64_t n, int64_t ld, at::BFloat16* packed) {
+  for (int64_t n0 = 0; n0 < n; n0 += kPackN) {
+    const int64_t nc = std::min(kPackN, n - n0);
+    at::native::cpublas::pack(k, nc, ld, nc, at::kBFloat16, at::kBFloat16, b + n0, packed + n0 * k);
+  }
+  return {packed, k};
+}
+
+// The first k rows of a prepared B may be used (k even for bf16), and the first n columns (a multiple of
+// kPackN, or all of them, for bf16).
+inline void mm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, BOperand b, float* c, int64_t ldc,
+               bool add) {
+  at::native::cpublas::brgemm(m, n, k, lda, b.ld, ldc, add, a, static_cast<const float*>(b.data), c, false);
+}
+
+inline void mm(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda, BOperand b, float* c, int64_t ldc,
+               bool add) {
+  const auto* packed = static_cast<const at::BFloat16*>(b.data);
+  for (int64_t n0 = 0; n0 < n; n0 += kPackN) {
+    const int64_t nc = std::min(kPackN, n - n0);
+    at::native::cpublas::brgemm(m, nc, k, lda, nc, ldc, add, a, packed + n0 * b.ld, c + n0, true);
+  }
+}
+
+// Columns of a prepared B that a product may use when it needs the first `need` of `n`.
+template <typename E>
+int64_t usable_cols(int64_t need, int64_t n) {
+  const int64_t unit = std::is_same_v<E, float> ? 16 : kPackN;
+  return std::min(n, (need + unit - 1) / unit * unit);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Prepared tiles of one (sequence, KV head)
+
+// Tiles on a fixed grid of blocks, kept while a thread's consecutive items are on the same sequence and
+// head: each block is loaded, transposed, converted and packed once per head rather than once per item that
+// reads it. O(longest sequence x width) per thread.
+template <typename E>
+struct TileCache {
+  E* data = nullptr;
+  int64_t slot = 0, b = -1, h = -1;
+  std::vector<uint8_t> ready;
+
+  void init(std::vector<at::Tensor>& keep, int64_t blocks, int64_t slot_elems);
+  template <typename F>
+  const E* get(int64_t seq, int64_t head, int64_t block, const F& prepare) {  // prepare(E* slot) fills it
+    if (seq != b || head != h) {
+      std::fill(ready.begin(), ready.end(), 0);
+      b = seq;
+      h = head;
+    }
+    if (!ready[block]) {
+      prepare(data + block * slot);
+      ready[block] = 1;
+    }
+    return data + block * slot;
+  }
+};
+
+// Keys [j0, j0 + bk) of head h as a prepared B in `slot`: transposed ([width_pad, pad16(bk)], for Q K^T) or
+// as rows ([pad16(bk), width_pad], for P V and dS K). bf16 tiles are laid out in `tmp` before packing;
+// `scratch` holds [bk, width] for the transpose.
+template <typename E, typename T>
+void prepare_keys(const Rows<T>& x, int64_t j0, int64_t bk, int64_t h, int64_t width, int64_t width_pad,
+                  bool transposed, E* slot, E* tmp, E* scratch) {
+  const int64_t kp = pad16(bk);
+  E* dst = std::is_same_v<E, float> ? slot : tmp;
+  if (transposed) {
+    load_tile_t(x, j0, bk, kp, h, width, width_pad, dst, scratch);
+    prepare_b(dst, width_pad, kp, kp, slot);
+  } else {
+    load_tile(x, j0, bk, kp, h, width, width_pad, dst);
+    prepare_b(dst, kp, width_pad, width_pad, slot);
+  }
+}
+
+template <typename E>
+void TileCache<E>::init(std::vector<at::Tensor>& keep, int64_t blocks, int64_t slot_elems) {
+  data = buffer<E>(keep, blocks * slot_elems);
+  slot = slot_elems;
+  ready.assign(blocks, 0);
+}
+
+// Blocks of `block` rows that cover the longest sequence's keys (by_keys) or query rows: a TileCache's size.
+inline int64_t max_blocks(const std::vector<Seq>& seqs, int64_t block, bool by_keys) {
+  int64_t n = 0;
+  for (const Seq& s : seqs) n = std::max(n, by_keys ? s.lk : s.lq);
+  return (n + block - 1) / block;
+}
+
+}  // namespace packattn_kernel::detail

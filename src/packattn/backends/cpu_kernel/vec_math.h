@@ -1,0 +1,110 @@
+// Vector math on fp32 lanes: everything that depends on the CPU capability is behind the one switch below
+// (raw AVX-512 for the softmax's exp and for bf16 stores; ATen's portable versions for every other
+// capability). The rest is written on ATen's Vectorized<float> and compiles for any capability.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "mask.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace packattn_kernel::detail {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kVec = Vec::size();
+
+// exp_softmax(x): exp(x), for the softmax's x = score - max <= 0 (and slightly above, from rounding). NaN
+// stays NaN; -inf gives 0.
+// store_pair(dst, a, b, cnt): stores cnt <= 2 x kVec values (a then b) as bf16, rounded to nearest even as
+// ATen rounds.
+#if defined(CPU_CAPABILITY_AVX512)
+
+// 2^n * 2^f, n = round(x log2 e), 2^f on [-1/2, 1/2] by a degree-5 polynomial fitted for relative error, and
+// scalef, which underflows to 0 cleanly: fewer instructions than ATen's exp_u20, and more accurate.
+inline Vec exp_softmax(Vec x) {
+  const __m512 v = _mm512_max_ps(_mm512_set1_ps(-200.f), x);  // max(lo, NaN) is NaN
+  const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.001327688223682344f), f, _mm512_set1_ps(0.009675689972937107f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713092088699f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022117257118225f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// bf16 tiles run only on CPUs with matrix units, which all have AVX512-BF16: its rounding conversion in one
+// instruction.
+__attribute__((target("avx512bf16"))) inline void store_pair(at::BFloat16* dst, Vec a, Vec b, int64_t cnt) {
+  const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+  _mm512_mask_storeu_epi16(dst, cnt >= 32 ? ~__mmask32(0) : (__mmask32(1) << cnt) - 1, pair);
+}
+
+#else
+
+inline Vec exp_softmax(Vec x) { return x.exp_u20(); }
+
+inline void store_pair(at::BFloat16* dst, Vec a, Vec b, int64_t cnt) {
+  at::vec::convert_from_float<at::BFloat16>(a, b).store(dst, cnt);
+}
+
+#endif
+
+// The same as fp32.
+inline void store_pair(float* dst, Vec a, Vec b, int64_t cnt) {
+  a.store(dst, std::min(cnt, kVec));
+  if (cnt > kVec) b.store(dst + kVec, cnt - kVec);
+}
+
+// Largest of x[0, n), n > 0: four independent chains (one is bound by the latency of max).
+inline float row_max(const float* x, int64_t n) {
+  const auto mx = [](Vec a, Vec b) { return at::vec::maximum(a, b); };
+  const Vec lowest(kNegInf);
+  Vec m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+  int64_t c = 0;
+  for (; c + 4 * kVec <= n; c += 4 * kVec) {
+    m0 = mx(m0, Vec::loadu(x + c));
+    m1 = mx(m1, Vec::loadu(x + c + kVec));
+    m2 = mx(m2, Vec::loadu(x + c + 2 * kVec));
+    m3 = mx(m3, Vec::loadu(x + c + 3 * kVec));
+  }
+  for (; c + kVec <= n; c += kVec) m0 = mx(m0, Vec::loadu(x + c));
+  if (c < n) m1 = mx(m1, Vec::set(lowest, Vec::loadu(x + c, n - c), n - c));
+  return at::vec::vec_reduce_all<float>(mx, mx(mx(m0, m1), mx(m2, m3)));
+}
+
+// The scaled (and soft-capped) scores of raw q.k products; with softcap, also tanh(x * scale / softcap).
+struct Scores {
+  Vec scale, cap, inner;
+  bool capped;
+  explicit Scores(const Mask& mask)
+      : scale(mask.scale),
+        cap(mask.softcap),
+        inner(mask.scale / std::max(mask.softcap, 1e-30f)),
+        capped(mask.softcap > 0) {}
+  Vec operator()(Vec x, Vec* tanh_out = nullptr) const {
+    if (!capped) return x * scale;
+    const Vec t = (x * inner).tanh();
+    if (tanh_out) *tanh_out = t;
+    return t * cap;
+  }
+  float operator()(float x) const {  // the same on one value (monotonic: the score of the largest raw product)
+    Vec v(x);
+    float out[kVec];
+    (*this)(v).store(out);
+    return out[0];
+  }
+};
+
+}  // namespace packattn_kernel::detail
