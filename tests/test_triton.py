@@ -4,6 +4,7 @@ and its tile choices. On CPU the kernels run in Triton's interpreter (tests/conf
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import torch
 import packattn
 from packattn.backends import PRIORITY
 from packattn.backends import triton as tri
+from packattn.inputs import AttentionInputs, MaskSpec
+from packattn.layout import SeqLayout
 
 from .helpers import DEVICE, STRIDES, case_inputs, check_backward, check_forward, make_case, restride
 
@@ -112,13 +115,41 @@ def test_dispatch_tries_it_on_cuda_only():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_tiles_are_powers_of_two_at_least_16(dtype, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_gpu_tiles_are_powers_of_two_at_least_16(dtype):
     for stage in tri.STAGES:
-        for head_dim in (16, 64, 96, 128, 192, 256):
-            cfg = tri.blocks(stage, DTYPES[dtype], head_dim, head_dim, tri.TARGETS["sm80"])
-            for size in (cfg.m, cfg.n):
-                assert size >= 16 and size & (size - 1) == 0, (stage, head_dim, cfg)
+        for head_dim in (1, 16, 64, 96, 128, 192, 256):
+            for cfg in tri.candidates(stage, DTYPES[dtype], head_dim, head_dim):
+                for size in (cfg.m, cfg.n):
+                    assert size >= 16 and size & (size - 1) == 0, (stage, head_dim, cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiles_follow_the_gpus_shared_memory(dtype):
+    """The first candidate that fits is chosen: more shared memory never gives smaller tiles, and a GPU
+    with too little for every candidate gets None (the backend then declines, see below)."""
+    dt = DTYPES[dtype]
+    for stage in tri.STAGES:
+        for head_dim in (64, 128, 256):
+            order = tri.candidates(stage, dt, head_dim, head_dim)
+            chosen = [tri.blocks(stage, dt, head_dim, head_dim, tri.Target(80, kb * 1024)) for kb in (48, 99, 163, 227)]
+            ranks = [order.index(c) if c else len(order) for c in chosen]
+            assert ranks == sorted(ranks, reverse=True), (stage, head_dim, chosen)
+            for c, kb in zip(chosen, (48, 99, 163, 227)):
+                assert c is None or tri.shared_bytes(stage, c, dt, head_dim, head_dim) <= kb * 1024
+    assert tri.blocks("forward", dt, 64, 64, tri.Target(80, 4 * 1024)) is None
+
+
+def test_declines_what_no_tile_fits_on_the_gpu():
+    """fp64 at head dim 256 with gradients needs more than sm86's 99 KB: declined with the reason; forward
+    only, or on sm90, it runs."""
+    q = torch.empty(8, 2, 256, dtype=torch.float64, device="meta")
+    cu = torch.tensor([0, 8])
+    inp = AttentionInputs(q, q, q, SeqLayout.build(cu, cu, 8, 8), MaskSpec(0.1), grad=True)
+    (reason,) = tri.tile_reasons(inp, tri.TARGETS["sm86"])
+    assert reason == "no dkdv/dq tiles for torch.float64 at head dims (256, 256) fit this GPU's 99 KB of shared memory"
+    assert tri.tile_reasons(dataclasses.replace(inp, grad=False), tri.TARGETS["sm86"]) == []
+    assert tri.tile_reasons(inp, tri.TARGETS["sm90"]) == []
+    assert tri.tile_reasons(inp, None) == []  # the interpreter takes any tile
 
 
 def test_importing_packattn_does_not_import_triton():

@@ -76,22 +76,74 @@ class Blocks:
     stages: int = 2
 
 
-def blocks(stage: str, dtype: torch.dtype, head_dim: int, head_dim_v: int, target: Target | None) -> Blocks:
-    """Tiles and launch options of ``stage`` ("forward", "dkdv" or "dq") on ``target`` (None: Triton's
-    interpreter, which gets :data:`INTERPRETER_BLOCKS`)."""
+# Tiles to try, best first, by stage, dtype family and padded head dim (the larger of D and Dv): the first
+# whose shared memory (shared_bytes) fits the GPU is launched. The lists were chosen by compiling them for
+# sm80/86/89/90 (tests/test_triton_compile.py): 16-bit inputs get large tiles with at most a few hundred
+# bytes of register spills per thread. fp32 and fp64 keep small tiles, and their dQ/dK/dV may still spill
+# at head dims above 64: the fp32/fp64 accumulators of a dQ or dK/dV tile exceed the register file.
+_16BIT = {
+    ("forward", 64): [(128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
+    ("forward", 128): [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
+    ("forward", 256): [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
+    ("dkdv", 64): [(64, 64, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1)],
+    ("dkdv", 128): [(64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)],
+    ("dkdv", 256): [(32, 32, 4, 2), (16, 16, 4, 1)],
+    ("dq", 64): [(64, 64, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1)],
+    ("dq", 128): [(64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)],
+    ("dq", 256): [(64, 64, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1)],
+}
+_FP32 = {
+    "forward": [(32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)],
+    "dkdv": [(32, 16, 4, 1), (16, 16, 4, 1)],
+    "dq": [(32, 32, 4, 2), (16, 16, 4, 1)],
+}
+_FP64 = {
+    "forward": [(32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)],
+    "dkdv": [(16, 16, 4, 1)],
+    "dq": [(32, 32, 4, 2), (16, 16, 4, 1)],
+}
+
+
+def padded(head_dim: int) -> int:
+    """A head dim as the kernels hold it: the next power of two, at least 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def shared_bytes(stage: str, blocks: Blocks, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> int:
+    """An upper bound of the shared memory one program of ``stage`` uses: its pipelined K/V (forward, dQ) or
+    Q/dO (dK/dV) tiles, the tiles it keeps, a tile of scores, and per-row statistics. (Checked against
+    what Triton allocates for every config the compile check builds.)"""
+    m, n, st = blocks.m, blocks.n, blocks.stages
+    both = padded(head_dim) + padded(head_dim_v)
+    size = torch.empty((), dtype=dtype).element_size()
+    if stage == "forward":
+        tiles = st * n * both + m * padded(head_dim) + m * n
+    elif stage == "dq":
+        tiles = m * both + st * n * both + m * n
+    else:  # dK/dV stage Q and dO double-buffered even with one stage
+        tiles = n * both + max(st, 2) * m * both + m * n
+    return tiles * size + 8 * m
+
+
+def candidates(stage: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> list[Blocks]:
+    """The tiles :func:`blocks` tries for these inputs, best first."""
+    if dtype in (torch.float32, torch.float64):
+        table = (_FP32 if dtype == torch.float32 else _FP64)[stage]
+    else:
+        table = _16BIT[stage, min(256, max(64, padded(max(head_dim, head_dim_v))))]
+    return [Blocks(*c) for c in table]
+
+
+def blocks(stage: str, dtype: torch.dtype, head_dim: int, head_dim_v: int, target: Target | None) -> Blocks | None:
+    """Tiles and launch options of ``stage`` ("forward", "dkdv" or "dq") on ``target``: the first candidate
+    whose shared memory fits it, None when none does. ``target`` None is Triton's interpreter, which gets
+    :data:`INTERPRETER_BLOCKS`."""
     if target is None:
         return Blocks(*INTERPRETER_BLOCKS)
-    head_dim = max(head_dim, head_dim_v)
-    wide = head_dim > 128
-    if dtype == torch.float64:
-        return Blocks(16, 16, 4, 1) if wide else Blocks(32, 32, 4, 1)
-    if dtype == torch.float32:
-        if stage == "forward":
-            return Blocks(32, 32, 4, 1) if wide else Blocks(64, 32 if head_dim > 64 else 64, 4, 2)
-        return Blocks(16, 32, 4, 1) if wide else Blocks(32, 32, 4, 1)
-    if stage == "forward":
-        return Blocks(64, 32, 4, 2) if wide else Blocks(128, 64, 8 if head_dim > 64 else 4, 3)
-    return Blocks(32, 32, 4, 1) if wide else Blocks(64, 64, 8 if head_dim > 64 else 4, 2)
+    for cfg in candidates(stage, dtype, head_dim, head_dim_v):
+        if shared_bytes(stage, cfg, dtype, head_dim, head_dim_v) <= target.shared:
+            return cfg
+    return None
 
 
 @dataclass(frozen=True)
@@ -121,10 +173,12 @@ def launch_config(
 ) -> Launch:
     """The launch of ``stage`` for these inputs on ``target`` (None: Triton's interpreter): what the
     wrapper launches and what the compile check builds."""
-    import triton
     import triton.language as tl
 
     cfg = blocks(stage, dtype, head_dim, head_dim_v, target)
+    if cfg is None:  # Triton.special_reasons declines these inputs first
+        assert target is not None
+        raise ValueError(f"triton: no {stage} tiles fit the GPU's {target.shared // 1024} KB of shared memory")
     dot = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}.get(dtype, tl.float64)
     if dtype == torch.bfloat16 and target is None:
         dot = tl.float32  # the interpreter's dot reads bf16 storage as integers
@@ -134,8 +188,8 @@ def launch_config(
         "HAS_RIGHT": has_right,
         "BLOCK_M": cfg.m,
         "BLOCK_N": cfg.n,
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-        "BLOCK_DV": max(16, triton.next_power_of_2(head_dim_v)),
+        "BLOCK_D": padded(head_dim),
+        "BLOCK_DV": padded(head_dim_v),
         "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
         "DOT": dot,
         "PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
@@ -159,6 +213,18 @@ def _target(device: torch.device) -> Target | None:
     return _device_target(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def tile_reasons(inp: AttentionInputs, target: Target | None) -> list[str]:
+    """Why these inputs cannot run on ``target``: the stages they need (the backward's with gradients) for
+    which no tile fits its shared memory."""
+    stages = STAGES if inp.grad else STAGES[:1]
+    short = [s for s in stages if blocks(s, inp.q.dtype, inp.head_dim, inp.head_dim_v, target) is None]
+    if not short or target is None:
+        return []
+    dims = f"({inp.head_dim}, {inp.head_dim_v})"
+    kb = target.shared // 1024
+    return [f"no {'/'.join(short)} tiles for {inp.q.dtype} at head dims {dims} fit this GPU's {kb} KB of shared memory"]
+
+
 def _launch_config(stage: str, inp: AttentionInputs) -> Launch:
     mask = inp.mask
     switches = {"softcap": mask.softcap > 0, "has_left": mask.left >= 0, "has_right": mask.right >= 0}
@@ -171,21 +237,26 @@ def _launch(launch: Launch, grid: tuple[int, int], *args: object) -> None:
 
 def _table(inp: AttentionInputs, block: int, *, by_keys: bool) -> torch.Tensor:
     """The kernels' work table on q's device: ``scale, softcap`` as two float64, then one int32 row
-    ``(q_start, Lq, k_start, Lk, block_start)`` per query (or key) block, the longest work first."""
+    ``(q_start, Lq, k_start, Lk, block_start)`` per query (or key) block, the longest work first. Built
+    once per layout, mask, block and device: a model's other layers reuse it (no host loop, no copy)."""
     mask = inp.mask
-    rows = []
-    for qs, qe, ks, ke in inp.layout.sequences():
-        lq, lk = qe - qs, ke - ks
-        for start in range(0, lk if by_keys else lq, block):
-            if by_keys:
-                lo, hi = mask.query_range(start, min(lk, start + block), lq, lk)
-            else:
-                lo, hi = mask.key_range(start, min(lq, start + block), lq, lk)
-            rows.append((hi - lo, (qs, lq, ks, lk, start)))
-    rows.sort(key=lambda r: -r[0])  # stable: equal work keeps the packed order
-    header = torch.tensor([mask.scale, mask.softcap], dtype=torch.float64).view(torch.int32)
-    body = torch.tensor([r[1] for r in rows], dtype=torch.int32).reshape(-1)
-    return torch.cat([header, body]).to(inp.q.device)
+
+    def build() -> torch.Tensor:
+        rows = []
+        for qs, qe, ks, ke in inp.layout.sequences():
+            lq, lk = qe - qs, ke - ks
+            for start in range(0, lk if by_keys else lq, block):
+                if by_keys:
+                    lo, hi = mask.query_range(start, min(lk, start + block), lq, lk)
+                else:
+                    lo, hi = mask.key_range(start, min(lq, start + block), lq, lk)
+                rows.append((hi - lo, (qs, lq, ks, lk, start)))
+        rows.sort(key=lambda r: -r[0])  # stable: equal work keeps the packed order
+        header = torch.tensor([mask.scale, mask.softcap], dtype=torch.float64).view(torch.int32)
+        body = torch.tensor([r[1] for r in rows], dtype=torch.int32).reshape(-1)
+        return torch.cat([header, body]).to(inp.q.device)
+
+    return inp.layout.plan(("triton table", mask, block, by_keys, inp.q.device), build)
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -257,6 +328,8 @@ class Triton(Backend):
         return None
 
     def special_reasons(self, inp: AttentionInputs) -> list[str]:
+        if inp.q.device.type == "cuda" and not _interpreting():
+            return tile_reasons(inp, _target(inp.q.device))
         if inp.q.device.type != "cpu":
             return []
         if not _interpreting():
