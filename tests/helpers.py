@@ -17,6 +17,8 @@ from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
 # Where the backend tests put their tensors: CPU here; PACKATTN_TEST_DEVICE=cuda (or npu) on such a machine.
 DEVICE = torch.device(os.environ.get("PACKATTN_TEST_DEVICE", "cpu"))
+# Set when the backends are re-declared as if the CPU were this device (see conftest.py).
+FAKE_DEVICE = os.environ.get("PACKATTN_TEST_FAKE_DEVICE")
 
 
 def point_at(monkeypatch: pytest.MonkeyPatch, backend: Backend, device_type: str) -> None:
@@ -130,8 +132,20 @@ def supported(name: str, *, return_lse: bool = False, dtype: torch.dtype = torch
     return not dispatch.reasons(dispatch.BACKENDS[name], case_inputs(case, return_lse, **mask))
 
 
-# The backends the test device can run (on CPU: cpu, reference, sdpa, and triton under its interpreter).
+# The backends the test device can run (on CPU: cpu, cpu_kernel, reference, sdpa, and triton under its
+# interpreter), chosen by what each declares, never by name.
 DEVICE_BACKENDS = [name for name in sorted(dispatch.BACKENDS) if supported(name)]
+
+
+def interpreted(name: str) -> bool:
+    """Whether backend ``name`` runs through an interpreter here (Triton's, on CPU): each kernel launch costs
+    ~0.1 s, so the tests of long sequences leave it out (tests/test_triton.py covers it)."""
+    return name == "triton" and DEVICE.type == "cpu"
+
+
+# The backends that return the LSE, and those of them that run compiled code here.
+LSE_BACKENDS = [name for name in DEVICE_BACKENDS if supported(name, return_lse=True)]
+COMPILED_LSE_BACKENDS = [name for name in LSE_BACKENDS if not interpreted(name)]
 
 
 def backend_mask_params(masks: dict[str, dict[str, object]], *, runs: bool = True) -> list[object]:

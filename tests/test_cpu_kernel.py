@@ -1,6 +1,6 @@
 """packattn's compiled CPU kernel: tiles and items at their edges, thread-count determinism, the validation
-in front of it, and what happens when it cannot be built. (The generic backend tests in test_attention.py
-and elsewhere cover it too, through DEVICE_BACKENDS.)"""
+in front of it, and what happens when it cannot be built. (The cross-backend contract suite in
+test_contract.py covers it too, through DEVICE_BACKENDS.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from packattn.backends import cpu_kernel
 from packattn.backends.cpu_kernel import build
 
 from .helpers import DEVICE, case_inputs, check_backward, check_forward, make_case, restride
-from .test_properties import BOUNDED, layouts
+from .strategies import BOUNDED, layouts
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cpu" or cpu_kernel.BACKEND.unavailable_reason() is not None,

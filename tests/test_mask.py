@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import packattn
 from packattn.inputs import MaskSpec
 
 from .helpers import DEVICE, supported
-
-SETTINGS = {"deadline": None, "derandomize": True, "database": None, "suppress_health_check": [HealthCheck.too_slow]}
-
-
-@st.composite
-def geometries(draw: st.DrawFn) -> tuple[int, int, int, int]:
-    lq, lk = draw(st.integers(0, 70)), draw(st.integers(0, 40))
-    bound = st.one_of(st.just(-1), st.integers(0, 80))
-    return lq, lk, draw(bound), draw(bound)
+from .strategies import BOUNDED, geometries
 
 
 def _visibility(backend: str, lq: int, lk: int, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,20 +60,20 @@ def _check(backend: str, geometry: tuple[int, int, int, int]) -> None:
 
 
 @pytest.mark.skipif(not supported("cpu_kernel"), reason="the cpu_kernel backend is not available here")
-@settings(max_examples=120, **SETTINGS)
+@settings(BOUNDED, max_examples=120)
 @given(geometries())
 def test_cpu_kernel_computes_exactly_the_pairs_maskspec_names(geometry):
     _check("cpu_kernel", geometry)
 
 
 @pytest.mark.skipif(not supported("triton"), reason="the triton backend is not available here")
-@settings(max_examples=25, **SETTINGS)
+@settings(BOUNDED, max_examples=25)
 @given(geometries())
 def test_triton_computes_exactly_the_pairs_maskspec_names(geometry):
     _check("triton", geometry)
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(BOUNDED, max_examples=300)
 @given(geometries(), st.integers(-40, 40))
 def test_a_trimmed_box_gets_a_window_with_the_same_pairs(geometry, shift):
     """Ring attention's pieces: rows ``[0, m)`` against keys ``[0, n)`` at another diagonal ``offset``, trimmed to

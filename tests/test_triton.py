@@ -17,7 +17,7 @@ from packattn.backends import triton as tri
 from packattn.inputs import AttentionInputs, MaskSpec
 from packattn.layout import SeqLayout
 
-from .helpers import DEVICE, STRIDES, case_inputs, check_backward, check_forward, make_case, restride
+from .helpers import DEVICE, FAKE_DEVICE, STRIDES, case_inputs, check_backward, check_forward, make_case, restride
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 MASKS = {
@@ -94,6 +94,7 @@ def test_rows_without_keys_get_zero_gradients_and_no_nan():
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
+@pytest.mark.skipif(FAKE_DEVICE is not None, reason="checks the real declarations, which the fake device replaces")
 def test_refusals_name_the_reason(monkeypatch):
     case = make_case([3, 2], [4, 1], hq=2, hkv=1, d=8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -108,6 +109,7 @@ def test_refusals_name_the_reason(monkeypatch):
     assert tri.BACKEND.supports(meta) == ["triton runs on CUDA or CPU tensors only, got meta"]
 
 
+@pytest.mark.skipif(FAKE_DEVICE is not None, reason="checks the real declarations, which the fake device replaces")
 def test_dispatch_tries_it_on_cuda_only():
     assert "triton" not in PRIORITY["cpu"]
     cuda = PRIORITY["cuda"]

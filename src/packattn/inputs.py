@@ -144,6 +144,8 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str)
             raise ValueError(f"{where}: {name} must be 3-D (tokens, heads, head_dim), got shape {tuple(t.shape)}")
         if t.shape[2] == 0:
             raise ValueError(f"{where}: {name} must have head_dim > 0, got shape {tuple(t.shape)}")
+        if t.shape[1] == 0:
+            raise ValueError(f"{where}: {name} must have at least one head, got shape {tuple(t.shape)}")
     if q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{where}: q must be float32, float16, bfloat16 or float64, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -164,6 +166,24 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str)
         raise ValueError(
             f"{where}: the number of query heads (q.shape[1] = {q.shape[1]}) must be a multiple of the number "
             f"of key/value heads (k.shape[1] = {k.shape[1]}) for MHA/GQA/MQA"
+        )
+
+
+# Window bounds at or above this are unbounded (-1): 2**60 tokens is beyond any machine's memory.
+UNBOUNDED_WINDOW = 2**60
+_FP32_MIN = 2.0**-149  # the smallest float32 above 0 (subnormal): anything below rounds to 0
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_representable(value: float, name: str, dtype: torch.dtype, where: str) -> None:
+    """Kernels compute in float32 (float64 for float64 inputs): a positive value that rounds to 0 or inf there
+    would silently disable soft-capping or break every score."""
+    if dtype == torch.float64 or value == 0:
+        return
+    if not _FP32_MIN <= value <= _FP32_MAX:
+        raise ValueError(
+            f"{where}: {name} must be representable in float32, the compute dtype of {dtype} inputs "
+            f"(between {_FP32_MIN:.3g} and {_FP32_MAX:.4g}), got {value}"
         )
 
 
@@ -189,6 +209,9 @@ def check_mask(
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"{where}: window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")
+    # No sequence is UNBOUNDED_WINDOW tokens long, so such a bound hides nothing; as -1, no kernel does
+    # arithmetic with it near the int64 limit (or fails to take it as an int64).
+    left, right = (-1 if w >= UNBOUNDED_WINDOW else w for w in (left, right))
     if causal:
         if right > 0:
             raise ValueError(
@@ -202,6 +225,7 @@ def check_mask(
     # Comparisons rather than math.isfinite, which torch.compile cannot trace on a symbolic float; NaN fails both.
     if not 0 <= softcap < math.inf:
         raise ValueError(f"{where}: softcap must be a finite float >= 0 (0 disables it), got {softcap}")
+    _check_representable(softcap, "softcap", q.dtype, where)
     if softmax_scale is None:
         scale = q.shape[2] ** -0.5
     else:
@@ -210,4 +234,5 @@ def check_mask(
         scale = float(softmax_scale)
         if not 0 < scale < math.inf:
             raise ValueError(f"{where}: softmax_scale must be finite and > 0, got {softmax_scale}")
+        _check_representable(scale, "softmax_scale", q.dtype, where)
     return MaskSpec(scale=scale, left=left, right=right, softcap=softcap)

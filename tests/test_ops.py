@@ -1,5 +1,6 @@
-"""``torch.compile`` through the custom ops: no graph break (``fullgraph=True``), results and gradients equal
-eager, no recompiles for new offsets, value checks at run time, and ``torch.library.opcheck`` on the ops."""
+"""``packattn.ops``, the custom ops, under ``torch.compile``: no graph break (``fullgraph=True``), results and
+gradients equal eager, no recompiles for new offsets, value checks at run time, and ``torch.library.opcheck``
+on the ops."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import packattn
 from packattn import ops
 
-from .helpers import Case, make_case, offsets
+from .helpers import DEVICE_BACKENDS, Case, interpreted, make_case, offsets
 
 
 @pytest.fixture(autouse=True)
@@ -191,7 +192,7 @@ def test_shape_and_option_checks_run_at_trace_time():
             compiled(fn)(*args)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference", "cpu"])
+@pytest.mark.parametrize("backend", [b for b in DEVICE_BACKENDS if not interpreted(b)])
 def test_explicit_backend_under_compile(backend):
     """``backend=`` is honoured in the op; sdpa's gradients come from its own autograd, as in eager."""
 

@@ -1,8 +1,10 @@
-"""Every validation error of the public entry points: exception type, message, and no side effects."""
+"""Validation (``packattn.inputs``, ``packattn.layout``): every error of the public entry points, its exception
+type and message, and no side effects."""
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -136,8 +138,10 @@ CASES: dict[str, tuple[Callable[[Args], None], type[Exception], list[str]]] = {
     "kv_zero_heads": (
         lambda a: a.update(k=a["k"][:, :0], v=a["v"][:, :0]),
         ValueError,
-        ["query heads (q.shape[1] = 4)", "must be a multiple of", "key/value heads (k.shape[1] = 0)"],
+        ["k must have at least one head, got shape (25, 0, 16)"],
     ),
+    # 0 % Hkv == 0: without its own check this reached the kernels (and divided by zero in the C++ one)
+    "q_zero_heads": (retensor("q", lambda t: t[:, :0]), ValueError, ["q must have at least one head", "(12, 0, 16)"]),
     # cu_seqlens
     "cu_q_none": (with_(cu_seqlens_q=None), TypeError, ["cu_seqlens_q is required", "1-D int32/int64", "got None"]),
     "cu_k_list": (
@@ -271,6 +275,16 @@ CASES: dict[str, tuple[Callable[[Args], None], type[Exception], list[str]]] = {
     "softcap_nan": (with_(softcap=math.nan), ValueError, ["softcap must be a finite float >= 0", "got nan"]),
     "softcap_inf": (with_(softcap=math.inf), ValueError, ["softcap must be a finite float >= 0", "got inf"]),
     "softcap_str": (with_(softcap="1.0"), TypeError, ["softcap must be a float, got str"]),
+    "softcap_rounds_to_zero": (
+        with_(softcap=1e-46),
+        ValueError,
+        ["softcap must be representable in float32, the compute dtype of torch.float32 inputs", "got 1e-46"],
+    ),
+    "scale_rounds_to_inf": (
+        with_(softmax_scale=1e39),
+        ValueError,
+        ["softmax_scale must be representable in float32", "got 1e+39"],
+    ),
     "softcap_bool": (with_(softcap=True), TypeError, ["softcap must be a float, got bool"]),
     "scale_zero": (with_(softmax_scale=0.0), ValueError, ["softmax_scale must be finite and > 0, got 0.0"]),
     "scale_negative": (with_(softmax_scale=-0.25), ValueError, ["softmax_scale must be finite and > 0, got -0.25"]),
@@ -479,3 +493,26 @@ def test_merge_never_modifies_inputs():
     out, lse = packattn.merge_attention_states(**args)
     assert not torch.isnan(out).any() and out.shape == (5, 2, 4) and lse.shape == (2, 5)
     assert_unchanged(snap)
+
+
+@pytest.mark.parametrize("backend", [b for b in DEVICE_BACKENDS if supported(b, window_size=(3, 2))])
+def test_window_bounds_near_the_int64_limit_are_unbounded(backend):
+    """Bounds no sequence can reach mean unbounded: the same bits as -1, for bounds up to past int64 (which
+    once overflowed the kernels' mask arithmetic: all-zero rows, or dK = dV = 0)."""
+    case = make_case([5, 0, 9], [7, 4, 3], hq=4, hkv=2, d=8, seed=3, requires_grad=True)
+    cu_q, cu_k = case.tensors()
+    results = []
+    for window in [(-1, -1), (-1, sys.maxsize), (2**63, 2**60), (2**60, 2**64)]:
+        out, lse = packattn.varlen_attention(
+            case.q, case.k, case.v, cu_q, cu_k, window_size=window, return_lse=True, backend=backend
+        )
+        grads = torch.autograd.grad(out.sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum(), (case.q, case.k, case.v))
+        results.append((out, lse, *grads))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    causal = packattn.varlen_attention(case.q, case.k, case.v, cu_q, cu_k, causal=True, backend=backend)
+    big_left = packattn.varlen_attention(
+        case.q, case.k, case.v, cu_q, cu_k, window_size=(sys.maxsize, 0), backend=backend
+    )
+    assert torch.equal(causal, big_left)

@@ -7,58 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import packattn
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
-from .helpers import DEVICE_BACKENDS, make_case, offsets, supported
-
-BOUNDED = settings(
-    max_examples=80,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
-
-@dataclass(frozen=True)
-class Layout:
-    lens_q: list[int]
-    lens_k: list[int]
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-    mask: dict[str, Any]
-    seed: int
-
-
-@st.composite
-def layouts(draw: st.DrawFn) -> Layout:
-    batch = draw(st.integers(1, 6))
-    lens = st.lists(st.integers(0, 40), min_size=batch, max_size=batch)
-    hq, hkv = draw(st.sampled_from([(1, 1), (2, 1), (4, 2)]))
-    causal = draw(st.booleans())
-    bound = st.one_of(st.just(-1), st.integers(0, 12))  # unbounded half the time, so sdpa runs often
-    left = draw(bound)
-    right = draw(st.integers(-1, 0) if causal else bound)
-    mask: dict[str, Any] = {"causal": causal, "window_size": (left, right)}
-    mask["softcap"] = draw(st.one_of(st.just(0.0), st.floats(0.5, 50.0)))
-    if draw(st.booleans()):
-        mask["softmax_scale"] = draw(st.floats(0.05, 2.0))
-    return Layout(
-        draw(lens),
-        draw(lens),
-        hq,
-        hkv,
-        draw(st.sampled_from([8, 16])),
-        draw(st.sampled_from([8, 12])),
-        mask,
-        draw(st.integers(0, 2**31 - 1)),
-    )
+from .helpers import COMPILED_LSE_BACKENDS, make_case, offsets, supported
+from .strategies import BOUNDED, layouts
 
 
 @BOUNDED
@@ -76,7 +32,7 @@ def test_random_layouts_match_oracle(layout):
     assert out.shape == ref_out.shape and out.dtype == torch.float32 and out.is_contiguous()
     assert_close_to_oracle(out, ref_out, pt_out, name="default dispatch out")
 
-    for backend in (None, *(b for b in DEVICE_BACKENDS if b in ("cpu", "cpu_kernel", "reference"))):
+    for backend in (None, *COMPILED_LSE_BACKENDS):
         out, lse = packattn.varlen_attention(
             case.q, case.k, case.v, cu_q, cu_k, return_lse=True, backend=backend, **mask
         )

@@ -1,4 +1,5 @@
-"""Every backend against the float64 oracle: dtypes, layouts, strides, masks, gradients, memory."""
+"""The cross-backend contract suite: every backend the test device runs, against the float64 oracle (dtypes,
+layouts, strides, masks, gradients, memory)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ import pytest
 import torch
 
 import packattn
+from packattn import dispatch
 from packattn.backends import reference
+from packattn.backends.base import backward_of
 from packattn.testing import attention_naive
 
 from .helpers import (
+    COMPILED_LSE_BACKENDS,
     DEVICE_BACKENDS,
+    LSE_BACKENDS,
     STRIDES,
     assert_matches_oracle,
     attend,
@@ -18,6 +23,7 @@ from .helpers import (
     backend_reasons,
     check_backward,
     check_forward,
+    interpreted,
     make_case,
     restride,
     supported,
@@ -200,7 +206,7 @@ def test_backward_matches_oracle(backend, mask, dtype):
     check_backward(backend, case, **MASKS[mask])
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_kernel"])  # the backends with an LSE
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
 @pytest.mark.parametrize("mask", ["full", "causal"])
 def test_backward_without_return_lse(backend, mask):
     """Gradients need the LSE even when the caller does not ask for it (the cpu backend skips it otherwise)."""
@@ -218,7 +224,13 @@ def test_backward_without_return_lse(backend, mask):
         assert torch.equal(without, with_)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])  # cpu's backward is the reference one
+# The backends whose gradients come from the reference backward (the reference itself, cpu).
+REFERENCE_BACKWARD = [
+    b for b in DEVICE_BACKENDS if b == "reference" or dispatch.BACKENDS[b].gradients[0] == backward_of("reference")
+]
+
+
+@pytest.mark.parametrize("backend", REFERENCE_BACKWARD)
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "right_band_1"])
 def test_backward_across_tiles(backend, mask, monkeypatch):
     """Tiles of 4 queries x 8 keys: every sequence spans several, some fully hidden, some partly."""
@@ -246,7 +258,7 @@ def test_gradcheck_float64(backend, mask, dv):
 
     # Triton's interpreter costs ~0.1 s a launch: check random projections of the Jacobian (2 launches per
     # input instead of 2 per element); tests/test_triton.py compares its fp64 gradients with the oracle's.
-    fast = backend == "triton" and case.q.device.type == "cpu"
+    fast = interpreted(backend)
     assert torch.autograd.gradcheck(f, (case.q, case.k, case.v), fast_mode=fast)
 
 
@@ -265,7 +277,7 @@ def _peak_extra_mib(run, length: int) -> float:
     return peak_extra_mib(lambda: run(case, cu_q, cu_k), length * 4 * 32 * 4)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_kernel"])
+@pytest.mark.parametrize("backend", COMPILED_LSE_BACKENDS)
 def test_memory_grows_linearly_without_score_matrices(backend):
     """Peak memory beyond the output, for one long sequence: no (L, L) score matrix, linear growth."""
     peaks = {
