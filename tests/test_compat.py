@@ -201,14 +201,68 @@ def test_flash_attn_refuses_what_it_cannot_honour(kwargs, message):
         ({"dropout_p": None}, TypeError, r"dropout_p must be a float, got NoneType"),
         ({"return_attn_probs": 1}, TypeError, r"return_attn_probs must be a bool, got int"),
         ({"deterministic": "yes"}, TypeError, r"deterministic must be a bool, got str"),
-        ({"causal": True, "window_size": (2, 3)}, ValueError, r"causal=True means window_size right = 0"),
+        ({"window_size": (2, 3, 4)}, TypeError, r"window_size must be a pair \(left, right\) of ints"),
+        ({"window_size": torch.tensor([2.0, 3.0])}, TypeError, r"window_size must be a pair"),
         ({"softcap": -1.0}, ValueError, r"softcap must be a finite float >= 0"),
     ],
-    ids=["dropout-type", "probs-type", "deterministic-type", "causal-right-window", "softcap"],
+    ids=["dropout-type", "probs-type", "deterministic-type", "window-3", "window-float-tensor", "softcap"],
 )
 def test_flash_attn_validation_messages(kwargs, error, message):
     with pytest.raises(error, match=f"^flash_attn_varlen_func: {message}"):
         flash(make_case(*SEED_CASE), **kwargs)
+
+
+# flash-attn 2's own varlen test grid, restated: (seqlen_q, seqlen_k) pairs including Lq > Lk and lengths
+# one off a power of two, head dims that are no multiple of 8, MHA/GQA/MQA, causal with and without a
+# local window (drawn below seqlen_k, as its tests draw it), softcap 0 and 50; fp16 and bf16 as it runs them.
+FA2_SEQLENS = [(1, 147), (113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256), (1023, 1024)]
+FA2_HEADS = {"mha": (6, 6), "gqa": (6, 2), "mqa": (6, 1)}
+
+
+@pytest.mark.parametrize("softcap", [0.0, 50.0])
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    ("seqlens", "d", "heads", "dtype"),
+    [
+        (FA2_SEQLENS[0], 59, "mha", torch.float16),
+        (FA2_SEQLENS[1], 32, "gqa", torch.bfloat16),
+        (FA2_SEQLENS[2], 111, "mqa", torch.float16),
+        (FA2_SEQLENS[3], 80, "gqa", torch.bfloat16),
+        (FA2_SEQLENS[4], 64, "mha", torch.float16),
+        (FA2_SEQLENS[5], 96, "mqa", torch.bfloat16),
+        (FA2_SEQLENS[6], 128, "gqa", torch.float16),
+        (FA2_SEQLENS[7], 256, "mqa", torch.bfloat16),
+    ],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x).replace("torch.", ""),
+)
+def test_flash_attn_2_varlen_grid(seqlens, d, heads, dtype, causal, local, softcap):
+    """What flash-attn 2 returns for its own test grid: a window with causal keeps its left bound and gets
+    right = 0 (flash-attn's reading; packattn's varlen_attention would refuse a right bound > 0)."""
+    sq, sk = seqlens
+    gen = torch.Generator().manual_seed(sq * 1000 + sk + d)
+    # Three sequences of random lengths up to (sq, sk), one of them the longest, as flash-attn's random padding
+    lens_q = [sq, *torch.randint(0, sq + 1, (2,), generator=gen).tolist()]
+    lens_k = [sk, *torch.randint(1, sk + 1, (2,), generator=gen).tolist()]
+    hq, hkv = FA2_HEADS[heads]
+    case = make_case(lens_q, lens_k, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=sq + sk)
+    window = tuple(torch.randint(0, sk, (2,), generator=gen).tolist()) if local else (-1, -1)
+    out, lse, _ = flash(case, return_attn_probs=True, causal=causal, window_size=window, softcap=softcap)
+    expected = {"window_size": (window[0], 0 if causal else window[1]), "softcap": softcap}
+    assert_matches_oracle(case, out, lse, **expected)
+
+
+def test_flash_attn_window_bounds_at_max_seqlen_k_are_unbounded():
+    """flash-attn reads a bound >= max_seqlen_k as -1; with Lq > Lk the literal bound would hide keys."""
+    case = make_case([10, 3], [2, 3], hq=2, hkv=1, d=8, seed=4)
+    args = (case.q, case.k, case.v, *case.tensors(), 10, 3)
+    out = flash_attn_varlen_func(*args, window_size=(1, 3))  # right 3 >= max_seqlen_k: unbounded
+    assert_matches_oracle(case, out, window_size=(1, -1))
+    as_list = flash_attn_varlen_func(*args, window_size=[1, 3])
+    as_tensor = flash_attn_varlen_func(*args, window_size=torch.tensor([1, 3]))
+    assert torch.equal(out, as_list) and torch.equal(out, as_tensor)
+    causal = flash_attn_varlen_func(*args, causal=True, window_size=(5, 7))  # left 5 >= 3: unbounded too
+    assert torch.equal(causal, flash_attn_varlen_func(*args, causal=True))
 
 
 def test_flash_attn_offsets_are_validated_with_its_name():

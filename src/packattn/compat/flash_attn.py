@@ -8,8 +8,10 @@ soft-capping) and return conventions. Where packattn differs, it says so instead
 * ``max_seqlen_q``/``max_seqlen_k`` smaller than a real sequence length raise ``ValueError`` (flash-attn
   sizes its grid with them and silently leaves the rows past them uncomputed). Checking them reads the
   offsets once (a device sync for offsets on an accelerator; flash-attn's signature has no host copies).
-* ``causal=True`` with a window that looks right of the diagonal raises ``ValueError`` (flash-attn sets
-  the right bound to 0 silently).
+* Windows are read as flash-attn 2 reads them: ``causal=True`` sets the right bound to 0 and keeps the
+  left one (``causal=True, window_size=(4, 7)`` is ``(4, 0)``), and a bound ``>= max_seqlen_k`` is
+  unbounded (-1); ``window_size`` may be a tuple, a list or a 2-element integer tensor. (packattn's own
+  ``varlen_attention`` refuses ``causal=True`` with a right bound > 0 instead.)
 * Rows that see no key have LSE **-inf**, where flash-attn 2 returns +inf: -inf is the log of an empty sum,
   the value that merges of partial results (ring attention, split-KV) need to stay NaN-free, and what
   FlashAttention-3's kernel and FlashInfer return. Code that tests ``lse.isinf()`` works with both; code
@@ -42,6 +44,23 @@ def _check_max(value: object, name: str, longest: int) -> None:
         )
 
 
+def _window(window_size: object, causal: bool, max_seqlen_k: int) -> tuple[object, object]:
+    """flash-attn 2's reading of ``window_size``: causal forces right = 0; bounds >= max_seqlen_k are -1."""
+    if isinstance(window_size, torch.Tensor) and window_size.shape == (2,) and not window_size.is_floating_point():
+        window_size = tuple(window_size.tolist())
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"{WHERE}: window_size must be a pair (left, right) of ints (a tuple, list or 2-element integer tensor), "
+            f"got {window_size!r}"
+        )
+    left, right = window_size
+    if causal:
+        right = 0
+    if isinstance(left, int) and isinstance(right, int) and not isinstance(left, bool) and not isinstance(right, bool):
+        left, right = (-1 if w >= max_seqlen_k else w for w in (left, right))
+    return left, right
+
+
 def _refuse(dropout_p: object, alibi_slopes: object, block_table: object) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"{WHERE}: dropout_p must be a float, got {type(dropout_p).__name__}")
@@ -67,7 +86,7 @@ def flash_attn_varlen_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
@@ -102,6 +121,9 @@ def flash_attn_varlen_func(
     layout = SeqLayout.build(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where=WHERE)
     _check_max(max_seqlen_q, "max_seqlen_q", layout.max_q)
     _check_max(max_seqlen_k, "max_seqlen_k", layout.max_k)
+    if not isinstance(causal, bool):
+        raise TypeError(f"{WHERE}: causal must be a bool, got {type(causal).__name__}")
+    left, right = _window(window_size, causal, max_seqlen_k)
     res = run_attention(
         q,
         k,
@@ -111,8 +133,8 @@ def flash_attn_varlen_func(
         cu_seqlens_q_host=layout.host_q,
         cu_seqlens_k_host=layout.host_k,
         softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
+        causal=False,  # in the window's right bound
+        window_size=(left, right),  # type: ignore[arg-type]  # run_attention checks them
         softcap=softcap,
         return_lse=return_attn_probs,
         backend=None,
