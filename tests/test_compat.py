@@ -88,6 +88,7 @@ SGLANG_ERRORS = {  # id: (changed arguments, from the seed case's, error, messag
         r"k and v must have the same number of tokens, got 25 and 24",
     ),
     "k-head-dim": (lambda a: {"k": a["k"][..., :32]}, ValueError, r"q and k must have the same head_dim"),
+    "cu-missing": (lambda a: {"cu_seqlens_k": None}, TypeError, r"cu_seqlens_k is required \(a 1-D int32/int64 tensor"),
     "cu-float": (
         lambda a: {"cu_seqlens_q": a["cu_seqlens_q"].float()},
         TypeError,
@@ -125,6 +126,8 @@ def test_sglang_validation_messages(name):
     args = _seed_args()
     args.update(change(args))
     with pytest.raises(error, match=f"^fused_infer_attention_varlen: {message}"):
+        fused_infer_attention_varlen(**args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):  # the original raises ValueError for every one of its input rules
         fused_infer_attention_varlen(**args)  # type: ignore[arg-type]
     fused_infer_attention_varlen(**_seed_args())  # type: ignore[arg-type]  # the unchanged case runs
 

@@ -8,6 +8,7 @@ from typing import Literal, cast, overload
 import torch
 
 from . import dispatch, ops
+from .errors import InputTypeError
 from .inputs import AttentionInputs, MaskSpec, check_mask, check_tensors, needs_grad
 from .layout import SeqLayout, check_traced
 
@@ -221,7 +222,7 @@ def check_call(
         q, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, where=where
     )
     if not isinstance(return_lse, bool):
-        raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
+        raise InputTypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
     dispatch.check_backend_name(backend, where)
     return mask
 

@@ -8,6 +8,7 @@ import torch
 
 from .backends import ALL, OTHER_DEVICES, PRIORITY
 from .backends.base import Backend, BackwardFn, Route, autograd_backward
+from .errors import InputTypeError
 from .inputs import AttentionInputs
 
 __all__ = ["ALL", "BACKENDS", "OTHER_DEVICES", "PRIORITY", "BackendInfo", "backward", "candidates", "info", "select"]
@@ -56,7 +57,7 @@ def check_backend_name(name: object, where: str) -> None:
     if name is None:
         return
     if not isinstance(name, str):
-        raise TypeError(f"{where}: backend must be a str or None, got {type(name).__name__}")
+        raise InputTypeError(f"{where}: backend must be a str or None, got {type(name).__name__}")
     if name not in BACKENDS:
         raise ValueError(f"{where}: unknown backend {name!r}; expected None or one of {sorted(BACKENDS)}")
 

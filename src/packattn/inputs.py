@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputTypeError
 from .layout import SeqLayout
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -139,7 +140,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputTypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{where}: {name} must be 3-D (tokens, heads, head_dim), got shape {tuple(t.shape)}")
         if t.shape[2] == 0:
@@ -147,10 +148,10 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str)
         if t.shape[1] == 0:
             raise ValueError(f"{where}: {name} must have at least one head, got shape {tuple(t.shape)}")
     if q.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{where}: q must be float32, float16, bfloat16 or float64, got {q.dtype}")
+        raise InputTypeError(f"{where}: q must be float32, float16, bfloat16 or float64, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{where}: {name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+            raise InputTypeError(f"{where}: {name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{where}: {name} must be on the same device as q ({q.device}), got {t.device}")
     if k.shape[0] != v.shape[0]:
@@ -197,11 +198,11 @@ def check_mask(
     where: str,
 ) -> MaskSpec:
     if not isinstance(causal, bool):
-        raise TypeError(f"{where}: causal must be a bool, got {type(causal).__name__}")
+        raise InputTypeError(f"{where}: causal must be a bool, got {type(causal).__name__}")
     if not isinstance(window_size, (tuple, list)) or not all(
         isinstance(w, int) and not isinstance(w, bool) for w in window_size
     ):
-        raise TypeError(f"{where}: window_size must be a pair of ints (left, right), got {window_size!r}")
+        raise InputTypeError(f"{where}: window_size must be a pair of ints (left, right), got {window_size!r}")
     if len(window_size) != 2:
         raise ValueError(
             f"{where}: window_size must be a pair (left, right), got {len(window_size)} entries: {window_size!r}"
@@ -220,7 +221,7 @@ def check_mask(
             )
         right = 0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"{where}: softcap must be a float, got {type(softcap).__name__}")
+        raise InputTypeError(f"{where}: softcap must be a float, got {type(softcap).__name__}")
     softcap = float(softcap)
     # Comparisons rather than math.isfinite, which torch.compile cannot trace on a symbolic float; NaN fails both.
     if not 0 <= softcap < math.inf:
@@ -230,7 +231,7 @@ def check_mask(
         scale = q.shape[2] ** -0.5
     else:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"{where}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+            raise InputTypeError(f"{where}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
         scale = float(softmax_scale)
         if not 0 < scale < math.inf:
             raise ValueError(f"{where}: softmax_scale must be finite and > 0, got {softmax_scale}")

@@ -11,6 +11,8 @@ from typing import TypeVar
 
 import torch
 
+from .errors import InputTypeError
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 T = TypeVar("T")
 # Plans of the most recent layouts: a model's layers call attention many times on one batch layout.
@@ -119,11 +121,11 @@ class SeqLayout:
 
 def _check_cu(cu: object, name: str, where: str) -> torch.Tensor:
     if cu is None:
-        raise TypeError(f"{where}: {name} is required (a 1-D int32/int64 tensor of B + 1 offsets), got None")
+        raise InputTypeError(f"{where}: {name} is required (a 1-D int32/int64 tensor of B + 1 offsets), got None")
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor of int32/int64 offsets, got {type(cu).__name__}")
+        raise InputTypeError(f"{where}: {name} must be a torch.Tensor of int32/int64 offsets, got {type(cu).__name__}")
     if cu.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{where}: {name} must have dtype int32 or int64, got {cu.dtype}")
+        raise InputTypeError(f"{where}: {name} must have dtype int32 or int64, got {cu.dtype}")
     if cu.dim() != 1:
         raise ValueError(f"{where}: {name} must be 1-D (B + 1 offsets), got shape {tuple(cu.shape)}")
     if cu.numel() < 2:
@@ -143,14 +145,14 @@ def _host_values(
     cu: torch.Tensor, host: Sequence[int], name: str, where: str, kinds: tuple[type, ...]
 ) -> tuple[int, ...]:
     if isinstance(host, torch.Tensor):
-        raise TypeError(f"{where}: {name}_host must be a list/tuple of Python ints, got a torch.Tensor")
+        raise InputTypeError(f"{where}: {name}_host must be a list/tuple of Python ints, got a torch.Tensor")
     try:
         values = tuple(host)
     except TypeError:
-        raise TypeError(f"{where}: {name}_host must be a list/tuple of ints, got {type(host).__name__}") from None
+        raise InputTypeError(f"{where}: {name}_host must be a list/tuple of ints, got {type(host).__name__}") from None
     plain = set(map(type, values)) <= {int}  # the common case, checked without a Python-level loop
     if not plain and not all(isinstance(x, kinds) and not isinstance(x, bool) for x in values):
-        raise TypeError(f"{where}: {name}_host must hold only Python ints, got {values!r}")
+        raise InputTypeError(f"{where}: {name}_host must hold only Python ints, got {values!r}")
     if len(values) != cu.numel():
         raise ValueError(f"{where}: {name}_host must have the same length as {name} ({cu.numel()}), got {len(values)}")
     return values

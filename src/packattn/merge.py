@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InputTypeError
 from .inputs import compute_dtype
 
 
@@ -32,9 +33,9 @@ def merge_attention_states(
     where = "merge_attention_states"
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputTypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
-            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+            raise InputTypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
     if out_a.dim() != 3 or out_a.shape != out_b.shape:
         raise ValueError(
             f"{where}: out_a and out_b must both be (T, H, Dv) of the same shape, got "
@@ -45,9 +46,9 @@ def merge_attention_states(
         if tuple(t.shape) != expected:
             raise ValueError(f"{where}: {name} must have shape (H, T) = {expected}, got {tuple(t.shape)}")
     if out_a.dtype != out_b.dtype:
-        raise TypeError(f"{where}: out_a and out_b must have the same dtype, got {out_a.dtype} and {out_b.dtype}")
+        raise InputTypeError(f"{where}: out_a and out_b must have the same dtype, got {out_a.dtype} and {out_b.dtype}")
     if lse_a.dtype != lse_b.dtype:
-        raise TypeError(f"{where}: lse_a and lse_b must have the same dtype, got {lse_a.dtype} and {lse_b.dtype}")
+        raise InputTypeError(f"{where}: lse_a and lse_b must have the same dtype, got {lse_a.dtype} and {lse_b.dtype}")
     for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if t.device != out_a.device:
             raise ValueError(f"{where}: {name} must be on the same device as out_a ({out_a.device}), got {t.device}")

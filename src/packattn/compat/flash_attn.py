@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..api import run_attention
+from ..errors import InputTypeError
 from ..inputs import check_tensors
 from ..layout import SeqLayout
 
@@ -36,7 +37,7 @@ WHERE = "flash_attn_varlen_func"
 
 def _check_max(value: object, name: str, longest: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{WHERE}: {name} must be an int, got {type(value).__name__}; pass a Python int (.item())")
+        raise InputTypeError(f"{WHERE}: {name} must be an int, got {type(value).__name__}; pass a Python int (.item())")
     if value < longest:
         raise ValueError(
             f"{WHERE}: {name} must be at least the longest sequence ({longest}), got {value}; flash-attn would "
@@ -49,7 +50,7 @@ def _window(window_size: object, causal: bool, max_seqlen_k: int) -> tuple[objec
     if isinstance(window_size, torch.Tensor) and window_size.shape == (2,) and not window_size.is_floating_point():
         window_size = tuple(window_size.tolist())
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(
+        raise InputTypeError(
             f"{WHERE}: window_size must be a pair (left, right) of ints (a tuple, list or 2-element integer tensor), "
             f"got {window_size!r}"
         )
@@ -63,7 +64,7 @@ def _window(window_size: object, causal: bool, max_seqlen_k: int) -> tuple[objec
 
 def _refuse(dropout_p: object, alibi_slopes: object, block_table: object) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"{WHERE}: dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise InputTypeError(f"{WHERE}: dropout_p must be a float, got {type(dropout_p).__name__}")
     if dropout_p != 0:
         raise NotImplementedError(
             f"{WHERE}: dropout_p must be 0.0, got {dropout_p}; packattn computes exact attention without dropout "
@@ -116,13 +117,13 @@ def flash_attn_varlen_func(
     _refuse(dropout_p, alibi_slopes, block_table)
     for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{WHERE}: {name} must be a bool, got {type(flag).__name__}")
+            raise InputTypeError(f"{WHERE}: {name} must be a bool, got {type(flag).__name__}")
     check_tensors(q, k, v, WHERE)
     layout = SeqLayout.build(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where=WHERE)
     _check_max(max_seqlen_q, "max_seqlen_q", layout.max_q)
     _check_max(max_seqlen_k, "max_seqlen_k", layout.max_k)
     if not isinstance(causal, bool):
-        raise TypeError(f"{WHERE}: causal must be a bool, got {type(causal).__name__}")
+        raise InputTypeError(f"{WHERE}: causal must be a bool, got {type(causal).__name__}")
     left, right = _window(window_size, causal, max_seqlen_k)
     res = run_attention(
         q,

@@ -9,8 +9,9 @@ all in the caller's favour:
 * a sequence empty on only one side works (the original raises ``NotImplementedError``): its query rows
   have output 0 and LSE ``-inf``; a batch with no queries or no keys returns zeros rather than
   uninitialised memory;
-* errors are packattn's: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape or value
-  (the original raises ``ValueError`` for both), each naming the argument, the expected and the received value.
+* errors are packattn's, each naming the argument, the expected and the received value: a ``ValueError``
+  wherever the original raises one (mixed dtypes, a missing or non-integer offsets tensor, ...), as
+  ``packattn.InputTypeError`` (a ``TypeError`` and a ``ValueError``) for a wrong type or dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ..api import run_attention
+from ..errors import InputTypeError
 
 __all__ = ["fused_infer_attention_varlen"]
 
@@ -55,7 +57,7 @@ def fused_infer_attention_varlen(
         ((12, 4, 64), (4, 12), torch.float32)
     """
     if not isinstance(return_softmax_lse, bool):
-        raise TypeError(
+        raise InputTypeError(
             f"fused_infer_attention_varlen: return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}"
         )
     return run_attention(

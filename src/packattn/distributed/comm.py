@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from ..errors import InputTypeError
 from .plan import ShardPlan, ranges_index
 
 T = TypeVar("T")
@@ -61,7 +62,9 @@ def join_group(group: Any, where: str) -> Ring:
     # On a process outside a group, torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER (an int).
     outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
     if not outside and group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{where}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        raise InputTypeError(
+            f"{where}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
     rank = -1 if outside else dist.get_rank(group)
     if rank < 0:
         raise ValueError(
@@ -78,7 +81,7 @@ def join_group(group: Any, where: str) -> Ring:
 def check_plan(plan: object, ring: Ring, where: str) -> ShardPlan:
     """``plan`` is a :class:`ShardPlan` built for this rank of the group."""
     if not isinstance(plan, ShardPlan):
-        raise TypeError(f"{where}: plan must be a ShardPlan (see ShardPlan.build), got {type(plan).__name__}")
+        raise InputTypeError(f"{where}: plan must be a ShardPlan (see ShardPlan.build), got {type(plan).__name__}")
     if plan.world_size != ring.size:
         raise ValueError(
             f"{where}: plan was built for world_size={plan.world_size}, but the group has {ring.size} ranks; "
@@ -266,7 +269,7 @@ def unshard(plan: ShardPlan, x: object, side: str, group: Any, where: str) -> to
     def validate() -> tuple[dict, torch.Tensor]:
         check_plan(plan, ring, where)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{where}: x_local must be a torch.Tensor, got {type(x).__name__}")
+            raise InputTypeError(f"{where}: x_local must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0:
             raise ValueError(f"{where}: x_local must have a row dimension, got a 0-d tensor")
         check_rows(x, plan.local_q if side == "q" else plan.local_k, "x_local", side, plan, where)

@@ -8,6 +8,8 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 
+from ..errors import InputTypeError
+
 Balance = Literal["zigzag", "contiguous"]
 BALANCES = ("zigzag", "contiguous")
 T = TypeVar("T")
@@ -103,12 +105,12 @@ def _shard(cu: tuple[int, ...], world_size: int, rank: int, balance: str) -> Sha
 def _check_offsets(cu: object, name: str) -> tuple[int, ...]:
     where = "ShardPlan.build"
     if isinstance(cu, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a list/tuple of Python ints, got a torch.Tensor; pass .tolist()")
+        raise InputTypeError(f"{where}: {name} must be a list/tuple of Python ints, got a torch.Tensor; pass .tolist()")
     if not isinstance(cu, Sequence) or isinstance(cu, (str, bytes)):
-        raise TypeError(f"{where}: {name} must be a list/tuple of Python ints, got {type(cu).__name__}")
+        raise InputTypeError(f"{where}: {name} must be a list/tuple of Python ints, got {type(cu).__name__}")
     values = tuple(cu)
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
-        raise TypeError(f"{where}: {name} must hold only Python ints, got {values!r}")
+        raise InputTypeError(f"{where}: {name} must hold only Python ints, got {values!r}")
     if len(values) < 2:
         raise ValueError(f"{where}: {name} must have at least 2 entries (B + 1 with B >= 1), got {len(values)}")
     if values[0] != 0:
@@ -187,7 +189,7 @@ class ShardPlan:
             )
         for name, value in (("world_size", world_size), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+                raise InputTypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
         if world_size < 1:
             raise ValueError(f"{where}: world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -288,7 +290,7 @@ class ShardPlan:
         where = f"ShardPlan.shard_{side}"
         total = (self.global_cu_seqlens_q if side == "q" else self.global_cu_seqlens_k)[-1]
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+            raise InputTypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[0] != total:
             raise ValueError(
                 f"{where}: x must be the global tensor with {total} rows (the plan's cu_seqlens end there), "

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputTypeError
 from ._packing import Rows, attend_padded, attend_rows, marked_rows, memo
 
 __all__ = ["PackedJointAttnProcessor"]
@@ -93,9 +94,9 @@ def _mask_rows(mask: torch.Tensor) -> Rows:
 def _check_mask(mask: object, batch: int, length: int) -> None:
     """A ``(B, S)`` or ``(B, 1, 1, S)`` boolean key-padding mask."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{_WHERE}: attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        raise InputTypeError(f"{_WHERE}: attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise TypeError(
+        raise InputTypeError(
             f"{_WHERE}: attention_mask must be a boolean key-padding mask (True = real token), got {mask.dtype}"
         )
     if tuple(mask.shape) not in ((batch, length), (batch, 1, 1, length)):

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputTypeError
 from ._packing import Offsets, Rows, attend_offsets, attend_padded, attend_rows, marked_rows, memo
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register"]
@@ -138,7 +139,7 @@ def _check_packed(batch: int) -> None:
 def _padding_mask(mask: object, batch: int, lk: int) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(
+        raise InputTypeError(
             f"{_WHERE}: attention_mask must be a 2-D padding mask (batch, kv_len) as built by packattn's mask "
             f"function, got {shape}; pass a 2-D mask of 1s (tokens) and 0s (padding), not a custom 4-D mask"
         )
