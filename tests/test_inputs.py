@@ -50,6 +50,27 @@ def assert_input_error(error: BaseException, exc_type: type[Exception]) -> None:
     assert isinstance(error, ValueError)
 
 
+def check_rejects(
+    fn: Callable[..., object],
+    args: Args,
+    change: Callable[[Args], None],
+    exc_type: type[Exception],
+    fragments: list[str],
+) -> None:
+    """``fn(**args)`` after ``change`` raises ``exc_type`` with a message that starts with the function's name
+    and holds every fragment, and leaves its inputs as they were."""
+    change(args)
+    snap = snapshot(args)
+    with pytest.raises(exc_type) as info:
+        fn(**args)
+    assert_input_error(info.value, exc_type)
+    message = str(info.value)
+    assert message.startswith(f"{fn.__name__}: "), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    assert_unchanged(snap)
+
+
 def cu(*values: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
@@ -366,18 +387,7 @@ def test_valid_args_run():
 @pytest.mark.usefixtures("no_backend_runs")
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_varlen_attention_rejects(case):
-    change, exc_type, fragments = CASES[case]
-    args = valid_args()
-    change(args)
-    snap = snapshot(args)
-    with pytest.raises(exc_type) as info:
-        packattn.varlen_attention(**args)
-    assert_input_error(info.value, exc_type)
-    message = str(info.value)
-    assert message.startswith("varlen_attention: "), message
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    assert_unchanged(snap)
+    check_rejects(packattn.varlen_attention, valid_args(), *CASES[case])
 
 
 def test_backend_unknown_lists_every_name():
@@ -478,18 +488,7 @@ MERGE_CASES: dict[str, tuple[Callable[[Args], None], type[Exception], list[str]]
 
 @pytest.mark.parametrize("case", MERGE_CASES, ids=list(MERGE_CASES))
 def test_merge_rejects(case):
-    change, exc_type, fragments = MERGE_CASES[case]
-    args = merge_args()
-    change(args)
-    snap = snapshot(args)
-    with pytest.raises(exc_type) as info:
-        packattn.merge_attention_states(**args)
-    assert_input_error(info.value, exc_type)
-    message = str(info.value)
-    assert message.startswith("merge_attention_states: "), message
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    assert_unchanged(snap)
+    check_rejects(packattn.merge_attention_states, merge_args(), *MERGE_CASES[case])
 
 
 def test_merge_never_modifies_inputs():
