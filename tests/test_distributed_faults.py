@@ -147,9 +147,9 @@ def test_one_ranks_bad_input_makes_every_rank_raise_before_data_moves(tmp_path):
             assert "rank 1: ValueError: ring_varlen_attention: q must hold this rank's" in msg
         kind, msg = out["wrong_dtype"]
         if rank == 2:
-            assert kind == "TypeError" and "k must have the same dtype as q (torch.float32)" in msg
+            assert kind == "InputTypeError" and "k must have the same dtype as q (torch.float32)" in msg
         else:
-            assert kind == "ValueError" and "rank 2: TypeError: ulysses_varlen_attention: k must have" in msg
+            assert kind == "ValueError" and "rank 2: InputTypeError: ulysses_varlen_attention: k must have" in msg
         kind, msg = out["options_changed"]
         assert kind == "ValueError" and "ranks disagree on causal" in msg, (rank, msg)
         kind, msg = out["unshard_short"]
