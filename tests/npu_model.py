@@ -156,16 +156,43 @@ FA_USED |= {"pre_tockens", "next_tockens", "actual_seq_qlen", "actual_seq_kvlen"
 FA_USED |= {"dy", "softmax_max", "softmax_sum", "attention_in"}
 
 
+def _default_arrangement(x: torch.Tensor, lens: list[int], *, inverse: bool = False) -> torch.Tensor:
+    """Token-major ``(T, N, 8)`` lanes in FA's default arrangement (same shape; sequence ``b`` a contiguous
+    block of ``N x S_b x 8``), or back with ``inverse``: written here by hand, apart from the adapter's."""
+    out = torch.empty_like(x).reshape(-1)
+    src = x.reshape(-1)
+    n, start = x.shape[1], 0
+    for length in lens:
+        for t in range(length):
+            for h in range(n):
+                tnd = ((start + t) * n + h) * 8
+                default = start * n * 8 + (h * length + t) * 8
+                a, b = (default, tnd) if inverse else (tnd, default)
+                out[b : b + 8] = src[a : a + 8]
+        start += length
+    return out.view(x.shape)
+
+
 class Model:
     """The three ops plus a log of every call: ``calls`` holds ``(op name, bound arguments)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: str = "2.8.0") -> None:
+        """``version``: the torch_npu modelled. Before 2.8 the FA ops have no ``softmax_layout`` (passing it is
+        a TypeError, as for any unknown keyword) and return softmax_max/sum in the default arrangement."""
+        self.version = version
+        self.layout_keyword = tuple(int(x) for x in version.split(".")[:2]) >= (2, 8)
         self.schemas = load_schemas()
+        if not self.layout_keyword:
+            for name in ("npu_fusion_attention", "npu_fusion_attention_grad"):
+                schema = self.schemas[name]
+                text = str(schema).replace(', str softmax_layout=""', "")
+                self.schemas[name] = torch._C.parse_schema(text)
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
     def module(self) -> types.ModuleType:
         m = types.ModuleType("torch_npu", "Interface model of torch_npu's attention ops (tests only).")
         m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+        m.__version__ = self.version
         for name in self.schemas:
             setattr(m, name, getattr(self, name))
         return m
@@ -221,7 +248,7 @@ class Model:
         lens_q = _lengths(a["actual_seq_qlen"], q.shape[0], "actual_seq_qlen", 1024)
         lens_k = _lengths(a["actual_seq_kvlen"], k.shape[0], "actual_seq_kvlen", 1024)
         _require(len(lens_q) == len(lens_k), f"{op}: both length lists give the batch size")
-        _require(a["softmax_layout"] in ("", "TND"), f"{op}: softmax_layout must be '' or 'TND'")
+        _require(a.get("softmax_layout", "") in ("", "TND"), f"{op}: softmax_layout must be '' or 'TND'")
         left, right = _window(a["sparse_mode"], a["atten_mask"], a["pre_tockens"], a["next_tockens"], (0, 3, 4))
         _check_rows(lens_q, lens_k, right, op)
         return lens_q, lens_k, (left, right)
@@ -234,8 +261,10 @@ class Model:
         out, lse, row_max = _compute(q, k, v, lens_q, lens_k, a["scale"], window)
         row_sum = torch.exp(lse - row_max)
         lanes = [x.float()[..., None].expand(*x.shape, 8).contiguous() for x in (row_max, row_sum)]
-        if a["softmax_layout"] == "":  # documented default arrangement: N, T, 8
-            lanes = [x.transpose(0, 1).contiguous() for x in lanes]
+        if (
+            a.get("softmax_layout", "") == ""
+        ):  # the default arrangement: shape (T, N, 8), a block N x S_b x 8 per sequence
+            lanes = [_default_arrangement(x, lens_q) for x in lanes]
         return out.to(q.dtype), lanes[0], lanes[1], torch.empty(0, dtype=q.dtype), 0, 0, 0
 
     def npu_fusion_attention_grad(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -243,14 +272,15 @@ class Model:
         a, given = self._bind(op, args, kwargs)
         q, k, v, dy = a["query"], a["key"], a["value"], a["dy"]
         lens_q, lens_k, window = self._fa_common(op, a, given, "scale_value")
-        expect = (q.shape[0], q.shape[1], 8) if a["softmax_layout"] == "TND" else (q.shape[1], q.shape[0], 8)
+        expect = (q.shape[0], q.shape[1], 8)
         for name in ("softmax_max", "softmax_sum"):
             t = a[name]
             _require(t is not None and t.shape == expect and t.dtype == torch.float32, f"{op}: {name} {expect} fp32")
         _require(a["attention_in"] is not None and a["attention_in"].shape == dy.shape, f"{op}: attention_in like dy")
-        sm_max, sm_sum = a["softmax_max"][..., 0].double(), a["softmax_sum"][..., 0].double()
-        if a["softmax_layout"] == "":
-            sm_max, sm_sum = sm_max.transpose(0, 1), sm_sum.transpose(0, 1)
+        sm_max, sm_sum = a["softmax_max"], a["softmax_sum"]
+        if a.get("softmax_layout", "") == "":
+            sm_max, sm_sum = (_default_arrangement(x, lens_q, inverse=True) for x in (sm_max, sm_sum))
+        sm_max, sm_sum = sm_max[..., 0].double(), sm_sum[..., 0].double()
         _, lse, _ = _compute(q, k, v, lens_q, lens_k, a["scale_value"], window)
         given_lse = sm_max + torch.log(sm_sum)
         _require(
@@ -268,7 +298,7 @@ class Model:
         return grads[0].to(q.dtype), grads[1].to(q.dtype), grads[2].to(q.dtype), None, torch.empty(0)
 
 
-def module() -> tuple[Model, types.ModuleType]:
-    """A fresh model and the module object to put in ``sys.modules['torch_npu']``."""
-    model = Model()
+def module(version: str = "2.8.0") -> tuple[Model, types.ModuleType]:
+    """A fresh model of torch_npu ``version`` and the module object to put in ``sys.modules['torch_npu']``."""
+    model = Model(version)
     return model, model.module()

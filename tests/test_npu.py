@@ -338,3 +338,22 @@ def test_model_binds_calls_against_the_schema(ops):
             actual_seq_lengths_kv=[7],
         )
     assert set(npu_model.load_schemas()) == {FA, FIA, GRAD}
+
+
+@model_only
+@pytest.mark.parametrize("version", ["2.7.1", "2.8.0"])
+def test_softmax_layout_only_where_torch_npu_takes_it(monkeypatch, version):
+    """torch_npu before 2.8 has no softmax_layout: the adapter leaves it out and converts FA's default
+    arrangement per sequence, for the LSE of the forward and the softmax inputs of the grad op."""
+    model, module = npu_model.module(version)
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    # Sequences of different lengths, so that a token-major reading of the default arrangement would mix them.
+    case = make_case([7, 0, 12, 3], [9, 5, 12, 4], hq=4, hkv=2, d=32, dv=16, seed=6)
+    check_forward("npu", case, causal=True)
+    grad_case = make_case([7, 0, 12, 3], [9, 5, 12, 4], hq=4, hkv=2, d=32, dv=16, seed=6, requires_grad=True)
+    cu_q, cu_k = grad_case.tensors()
+    out = packattn.varlen_attention(grad_case.q, grad_case.k, grad_case.v, cu_q, cu_k, causal=True, backend="npu")
+    out.float().sum().backward()  # the grad op checks that softmax_max/sum match the forward's, per token
+    expected = {"softmax_layout": "TND"} if version >= "2.8" else {}
+    for op in (FA, GRAD):
+        assert calls(model, op) and all(("softmax_layout" in a) == bool(expected) for a in calls(model, op))

@@ -9,8 +9,10 @@ Two documented kernels run a packed batch in one call each:
 * ``torch_npu.npu_fusion_attention`` (FA) for everything else it takes, and for inputs that require grad:
   fp16/bf16/fp32, ``D <= 768`` with ``Dv <= D``, up to 256 query heads (GQA/MQA by head ratio), at most
   1024 sequences and 1M tokens per call. Its LSE is ``softmax_max + log(softmax_sum)`` (both
-  ``(T, N, 8)`` with ``softmax_layout="TND"``, every lane equal), as torch_npu's own context-parallel
-  attention derives it. Its backward ``npu_fusion_attention_grad`` gets ``softmax_max = LSE`` and
+  ``(T, N, 8)``, every lane equal), as torch_npu's own context-parallel attention derives it: with
+  ``softmax_layout="TND"`` (token-major) where torch_npu takes that keyword (2.8 on), else in the default
+  arrangement (a block of ``N x S_b x 8`` per sequence), converted per sequence both ways. Its backward
+  ``npu_fusion_attention_grad`` gets ``softmax_max = LSE`` and
   ``softmax_sum = 1``, which give the same probabilities ``exp(s - max) / sum``. The fused grad op has no
   input for a gradient of the LSE: when one is given, the exact reference backward runs instead.
 
@@ -63,6 +65,40 @@ FA_MAX_BATCH, FA_MAX_TOKENS = 1024, 2**20
 
 def _ops() -> Any:
     return importlib.import_module("torch_npu")
+
+
+def _version(text: str) -> tuple[int, int]:
+    """``major, minor`` of a torch_npu version string such as ``2.8.0.post2`` ((0, 0) if unreadable)."""
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def _has_softmax_layout() -> bool:
+    """Whether the installed torch_npu's ``npu_fusion_attention`` (and grad) take ``softmax_layout`` (2.8 on);
+    earlier ones reject the keyword, and return softmax_max/sum in their default arrangement."""
+    return _version(str(getattr(_ops(), "__version__", ""))) >= (2, 8)
+
+
+def _from_default(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """softmax_max/sum ``(T, N, 8)`` from FA's default arrangement, in which sequence ``b`` holds a block of
+    ``N x S_b x 8`` floats, to the TND one (row ``t`` is token ``t``). A plain ``.view`` would mix tokens."""
+    n, flat, parts, start = x.shape[1], x.reshape(-1), [], 0
+    for length in lens:
+        parts.append(flat[start * n * 8 : (start + length) * n * 8].view(n, length, 8).transpose(0, 1))
+        start += length
+    return torch.cat(parts)
+
+
+def _to_default(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """The inverse of :func:`_from_default`: TND ``(T, N, 8)`` to FA's default arrangement."""
+    parts, start = [], 0
+    for length in lens:
+        parts.append(x[start : start + length].transpose(0, 1).reshape(-1))
+        start += length
+    return torch.cat(parts).view(x.shape)
 
 
 @dataclass(frozen=True)
@@ -209,7 +245,7 @@ def _fa_args(inp: AttentionInputs, group: list[_Seq], sparse: _Sparse, device: t
         "actual_seq_qlen": _ends([s.qe - s.qs for s in group]),
         "actual_seq_kvlen": _ends([s.ke - s.ks for s in group]),
         "sparse_mode": sparse.mode,
-        "softmax_layout": "TND",
+        **({"softmax_layout": "TND"} if _has_softmax_layout() else {}),
     }
 
 
@@ -217,7 +253,11 @@ def _fa(inp: AttentionInputs, q, k, v, group: list[_Seq], sparse: _Sparse, with_
     res = _ops().npu_fusion_attention(
         q, k, v, inp.heads_q, "TND", scale=inp.mask.scale, **_fa_args(inp, group, sparse, q.device)
     )
-    lse = res[1][..., 0] + torch.log(res[2][..., 0]) if with_lse else None
+    sm_max, sm_sum = res[1], res[2]
+    if with_lse and not _has_softmax_layout():
+        lens = [s.qe - s.qs for s in group]
+        sm_max, sm_sum = _from_default(sm_max, lens), _from_default(sm_sum, lens)
+    lse = sm_max[..., 0] + torch.log(sm_sum[..., 0]) if with_lse else None
     return res[0], lse
 
 
@@ -258,7 +298,12 @@ def backward(
     sparse = _Sparse.of(inp.mask)
     for group in _calls(_visible_part(inp), FA_MAX_BATCH, FA_MAX_TOKENS):
         rows, keys = [(s.qs, s.qe) for s in group], [(s.ks, s.ke) for s in group]
-        row_lse = _gather(lse.transpose(0, 1), rows)  # (T, N)
+        row_lse = _gather(lse.transpose(0, 1), rows).float()  # (T, N)
+        sm_max = row_lse[..., None].expand(*row_lse.shape, 8).contiguous()
+        sm_sum = torch.ones(*row_lse.shape, 8, dtype=torch.float32, device=q.device)
+        if not _has_softmax_layout():
+            lens = [s.qe - s.qs for s in group]
+            sm_max, sm_sum = _to_default(sm_max, lens), _to_default(sm_sum, lens)
         grads = _ops().npu_fusion_attention_grad(
             _gather(q, rows),
             _gather(k, keys),
@@ -266,8 +311,8 @@ def backward(
             _gather(dout, rows),
             inp.heads_q,
             "TND",
-            softmax_max=row_lse[..., None].expand(*row_lse.shape, 8).contiguous(),
-            softmax_sum=torch.ones(*row_lse.shape, 8, dtype=torch.float32, device=q.device),
+            softmax_max=sm_max,
+            softmax_sum=sm_sum,
             attention_in=_gather(out, rows),
             scale_value=inp.mask.scale,
             **_fa_args(inp, group, sparse, q.device),
