@@ -226,6 +226,7 @@ class Model:
         left, right = _window(mode, a["atten_mask"], a["pre_tokens"], a["next_tokens"], (0, 3, 4))
         if mode == 3:
             _require(all(x < y for x, y in zip(lens_q, lens_k)), f"{op}: sparse_mode=3 needs Lq < Lk per sequence")
+        _require(mode != 4 or v.shape[2] in (64, 128), f"{op}: sparseMode = 4 only supports value D 64/128 (CANN 8.3)")
         _check_rows(lens_q, lens_k, right, op)
         out, lse, _ = _compute(q, k, v, lens_q, lens_k, a["scale"], (left, right))
         lse_out = lse[..., None].float() if a["softmax_lse_flag"] else torch.empty(0)

@@ -357,3 +357,12 @@ def test_softmax_layout_only_where_torch_npu_takes_it(monkeypatch, version):
     expected = {"softmax_layout": "TND"} if version >= "2.8" else {}
     for op in (FA, GRAD):
         assert calls(model, op) and all(("softmax_layout" in a) == bool(expected) for a in calls(model, op))
+
+
+@model_only
+def test_fia_band_mode_only_for_value_head_dims_64_and_128(ops):
+    """CANN 8.3's FIA rejects sparse_mode=4 with Dv = 192: a window at Dv = 192 runs FA, at Dv = 128 FIA."""
+    check_forward("npu", make_case([5, 7], [9, 8], **{**FIA_CASE, "dv": 192}), window_size=(3, 1))
+    assert not calls(ops, FIA) and len(calls(ops, FA)) == 1
+    check_forward("npu", make_case([5, 7], [9, 8], **FIA_CASE), window_size=(3, 1))
+    assert [a["sparse_mode"] for a in calls(ops, FIA)] == [4]

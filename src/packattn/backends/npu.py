@@ -212,6 +212,8 @@ def _fia_fits(inp: AttentionInputs, seqs: list[_Seq], sparse: _Sparse) -> bool:
         return False
     if any(max(s.qe - s.qs, s.ke - s.ks) > FIA_MAX_TOKENS for s in seqs):
         return False
+    if sparse.mode == 4 and inp.head_dim_v not in (64, 128):  # CANN 8.3: band mode only for Dv 64/128
+        return False
     return sparse.mode != 3 or all(s.qe - s.qs < s.ke - s.ks for s in seqs)
 
 
