@@ -5,7 +5,8 @@ Two documented kernels run a packed batch in one call each:
 * ``torch_npu.npu_fused_infer_attention_score`` (FIA) for inference, when its TND limits hold: bfloat16,
   Q/K head dim 192 with V head dim 128 or 192, equal query and key/value heads in {8, 16, 32, 64, 128},
   at most 65536 tokens and 4096 sequences per call, causal only where every sequence has fewer queries
-  than keys. Its LSE ``(T, N, 1)`` (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
+  than keys, windows (band mode) only with V head dim 128. Its LSE ``(T, N, 1)``
+  (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
 * ``torch_npu.npu_fusion_attention`` (FA) for everything else it takes, and for inputs that require grad:
   fp16/bf16/fp32, ``D <= 768`` with ``Dv <= D``, up to 256 query heads (GQA/MQA by head ratio), at most
   1024 sequences and 1M tokens per call. Its LSE is ``softmax_max + log(softmax_sum)`` (both
