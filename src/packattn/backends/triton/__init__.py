@@ -115,7 +115,7 @@ def shared_bytes(stage: str, blocks: Blocks, dtype: torch.dtype, head_dim: int, 
     what Triton allocates for every config the compile check builds.)"""
     m, n, st = blocks.m, blocks.n, blocks.stages
     both = padded(head_dim) + padded(head_dim_v)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if stage == "forward":
         tiles = st * n * both + m * padded(head_dim) + m * n
     elif stage == "dq":
