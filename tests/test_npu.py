@@ -366,3 +366,15 @@ def test_fia_band_mode_only_for_value_head_dims_64_and_128(ops):
     assert not calls(ops, FIA) and len(calls(ops, FA)) == 1
     check_forward("npu", make_case([5, 7], [9, 8], **FIA_CASE), window_size=(3, 1))
     assert [a["sparse_mode"] for a in calls(ops, FIA)] == [4]
+
+
+@model_only
+@pytest.mark.parametrize("version", ["2.7.1", "2.8.0"])
+def test_info_prints_what_was_found(monkeypatch, capsys, version):
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_model.module(version)[1])
+    from packattn import cli
+
+    cli.main(["info"])
+    text = capsys.readouterr().out
+    layout = "softmax_layout='TND'" if version == "2.8.0" else "default softmax layout, converted per sequence"
+    assert f"torch_npu {version}: FIA for inference in bf16 D=192" in text and layout in text, text

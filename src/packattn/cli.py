@@ -18,6 +18,8 @@ def _info() -> int:
     for b in info():
         state = "available" if b.available else f"unavailable: {b.reason}"
         print(f"  {b.name:<{width}}  {state}")
+        if b.details:
+            print(f"  {'':<{width}}    {b.details}")
     return 0
 
 

@@ -21,6 +21,7 @@ class BackendInfo:
     name: str
     available: bool
     reason: str | None
+    details: str | None = None  # when available: what was found here (see Backend.details)
 
 
 def info() -> list[BackendInfo]:
@@ -28,7 +29,7 @@ def info() -> list[BackendInfo]:
     out = []
     for b in ALL:
         reason = b.unavailable_reason()
-        out.append(BackendInfo(b.name, reason is None, reason))
+        out.append(BackendInfo(b.name, reason is None, reason, b.details() if reason is None else None))
     return out
 
 

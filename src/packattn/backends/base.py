@@ -131,6 +131,10 @@ class Backend:
         """Why this backend cannot run at all here (not installed, not built, ...); None when it can."""
         return None
 
+    def details(self) -> str | None:
+        """What ``packattn info`` adds when it is available: what was found here and which kernel serves what."""
+        return None
+
     def supports(self, inp: AttentionInputs) -> list[str]:
         """Why it cannot run ``inp`` (readable sentences); empty when it can."""
         return standard_reasons(self.label or self.name, self.capabilities, inp) + self.special_reasons(inp)

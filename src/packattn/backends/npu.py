@@ -347,6 +347,12 @@ class Npu(Backend):
             return "torch_npu is not installed"
         return None
 
+    def details(self) -> str | None:
+        version = getattr(_ops(), "__version__", "of unknown version")
+        stats = "softmax_layout='TND'" if _has_softmax_layout() else "default softmax layout, converted per sequence"
+        fia = "bf16 D=192 (Dv 128/192, windows with Dv 128)"
+        return f"torch_npu {version}: FIA for inference in {fia}, FA ({stats}) for the rest and training"
+
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward(inp)
 
