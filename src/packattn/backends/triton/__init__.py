@@ -134,6 +134,7 @@ def candidates(stage: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -
     return [Blocks(*c) for c in table]
 
 
+@functools.cache  # asked by dispatch (tile_reasons) and again by the launch, on every call
 def blocks(stage: str, dtype: torch.dtype, head_dim: int, head_dim_v: int, target: Target | None) -> Blocks | None:
     """Tiles and launch options of ``stage`` ("forward", "dkdv" or "dq") on ``target``: the first candidate
     whose shared memory fits it, None when none does. ``target`` None is Triton's interpreter, which gets
