@@ -24,7 +24,6 @@ from packattn.testing import attention_naive
 
 SCHEMA_FILE = Path(__file__).parent / "data" / "torch_npu_schemas.txt"
 UNBOUNDED = 2**31 - 1
-FIA_HEADS = (8, 16, 32, 64, 128)
 
 
 class ModelError(RuntimeError):
@@ -176,10 +175,13 @@ def _default_arrangement(x: torch.Tensor, lens: list[int], *, inverse: bool = Fa
 class Model:
     """The three ops plus a log of every call: ``calls`` holds ``(op name, bound arguments)``."""
 
-    def __init__(self, version: str = "2.8.0") -> None:
+    def __init__(self, version: str = "2.8.0", cann: str = "8.3.RC1", split_fuse: bool = False) -> None:
         """``version``: the torch_npu modelled. Before 2.8 the FA ops have no ``softmax_layout`` (passing it is
-        a TypeError, as for any unknown keyword) and return softmax_max/sum in the default arrangement."""
-        self.version = version
+        a TypeError, as for any unknown keyword) and return softmax_max/sum in the default arrangement.
+        ``cann``: what ``torch_npu.npu.utils.get_cann_version()`` answers ("" before CANN 8.1); it selects FIA's
+        TND limits, the oldest documented ones before 8.3, 8.3's from then on, and with ``split_fuse`` (newer
+        kernels) fp16, equal head dims up to 256 and grouped heads at every head dim."""
+        self.version, self.cann, self.split_fuse = version, cann, split_fuse
         self.layout_keyword = tuple(int(x) for x in version.split(".")[:2]) >= (2, 8)
         self.schemas = load_schemas()
         if not self.layout_keyword:
@@ -193,9 +195,32 @@ class Model:
         m = types.ModuleType("torch_npu", "Interface model of torch_npu's attention ops (tests only).")
         m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
         m.__version__ = self.version
+        m.npu = types.SimpleNamespace(utils=types.SimpleNamespace(get_cann_version=self.get_cann_version))
         for name in self.schemas:
             setattr(m, name, getattr(self, name))
         return m
+
+    def get_cann_version(self, module: str = "CANN") -> str:
+        return self.cann if module == "CANN" else ""
+
+    def _fia_tnd_limits(self, op: str, q: torch.Tensor, n: int, nkv: int, dims: tuple[int, int, int]) -> bool:
+        """FIA's TND limits on the modelled CANN; returns whether causal needs Lq < Lk (else Lq <= Lk)."""
+        cann = tuple(int(x) for x in self.cann.split(".")[:2]) if self.cann else (0, 0)
+        if self.split_fuse:
+            _require(q.dtype in (torch.float16, torch.bfloat16), f"{op}: TND takes float16/bfloat16, got {q.dtype}")
+            equal = dims[0] == dims[1] == dims[2] and dims[0] % 16 == 0 and dims[0] <= 256
+            _require(equal or dims == (192, 192, 128), f"{op}: TND head dims equal (16-aligned, <= 256), got {dims}")
+        else:
+            _require(q.dtype == torch.bfloat16, f"{op}: TND takes bfloat16 only, got {q.dtype}")
+            ok = {(192, 192, 128), (192, 192, 192)} | ({(64, 64, 64), (128, 128, 128)} if cann >= (8, 3) else set())
+            _require(dims in ok, f"{op}: TND head dims {sorted(ok)}, got {dims}")
+        if cann < (8, 3) and not self.split_fuse:
+            _require(n in (8, 16, 32, 64, 128), f"{op}: num_heads must be in 8..128 (powers of 2), got {n}")
+            _require(nkv == n, f"{op}: TND needs equal query and key/value heads")
+            return True
+        _require(1 <= n <= 128 and n % nkv == 0 and n // nkv <= 64, f"{op}: heads {n} / {nkv} not taken")
+        _require(nkv == n or self.split_fuse or dims[2] != 192, f"{op}: GQA does not support value D 192")
+        return False
 
     def _bind(self, op: str, args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         bound, given = bind(self.schemas[op], args, kwargs)
@@ -211,12 +236,10 @@ class Model:
         _defaults_only(self.schemas[op], a, FIA_USED)
         _require(all(t.is_contiguous() for t in (q, k, v)), f"{op}: query/key/value must be contiguous")
         _require(q.dim() == k.dim() == v.dim() == 3, f"{op}: TND tensors are 3-D")
-        _require(q.dtype == k.dtype == v.dtype == torch.bfloat16, f"{op}: TND takes bfloat16 only, got {q.dtype}")
+        _require(q.dtype == k.dtype == v.dtype, f"{op}: query, key and value must have one dtype")
         n, nkv = a["num_heads"], a["num_key_value_heads"] or a["num_heads"]
-        _require(n == q.shape[1] and n in FIA_HEADS, f"{op}: num_heads must be q's N in {FIA_HEADS}, got {n}")
-        _require(nkv == k.shape[1] == v.shape[1] == n, f"{op}: TND needs equal query and key/value heads")
-        dims = (q.shape[2], k.shape[2], v.shape[2])
-        _require(dims in ((192, 192, 128), (192, 192, 192)), f"{op}: TND head dims 192/192/(128|192), got {dims}")
+        _require(n == q.shape[1] and nkv == k.shape[1] == v.shape[1], f"{op}: num_heads / num_key_value_heads")
+        causal_needs_fewer = self._fia_tnd_limits(op, q, n, nkv, (q.shape[2], k.shape[2], v.shape[2]))
         _require(max(q.shape[0], k.shape[0]) <= 65536, f"{op}: TND takes T <= 65536")
         lens_q = _lengths(a["actual_seq_lengths"], q.shape[0], "actual_seq_lengths", 4096)
         lens_k = _lengths(a["actual_seq_lengths_kv"], k.shape[0], "actual_seq_lengths_kv", 4096)
@@ -224,8 +247,10 @@ class Model:
         _require(min(lens_q + lens_k) > 0, f"{op}: TND does not take empty sequences")
         mode = a["sparse_mode"]
         left, right = _window(mode, a["atten_mask"], a["pre_tokens"], a["next_tokens"], (0, 3, 4))
-        if mode == 3:
+        if mode == 3 and causal_needs_fewer:
             _require(all(x < y for x, y in zip(lens_q, lens_k)), f"{op}: sparse_mode=3 needs Lq < Lk per sequence")
+        if mode == 3:
+            _require(all(x <= y for x, y in zip(lens_q, lens_k)), f"{op}: sparse_mode=3 needs Lq <= Lk per sequence")
         _require(mode != 4 or v.shape[2] in (64, 128), f"{op}: sparseMode = 4 only supports value D 64/128 (CANN 8.3)")
         _check_rows(lens_q, lens_k, right, op)
         out, lse, _ = _compute(q, k, v, lens_q, lens_k, a["scale"], (left, right))
@@ -299,7 +324,7 @@ class Model:
         return grads[0].to(q.dtype), grads[1].to(q.dtype), grads[2].to(q.dtype), None, torch.empty(0)
 
 
-def module(version: str = "2.8.0") -> tuple[Model, types.ModuleType]:
-    """A fresh model of torch_npu ``version`` and the module object to put in ``sys.modules['torch_npu']``."""
-    model = Model(version)
+def module(version: str = "2.8.0", cann: str = "8.3.RC1", split_fuse: bool = False) -> tuple[Model, types.ModuleType]:
+    """A fresh model (see :class:`Model`) and the module object to put in ``sys.modules['torch_npu']``."""
+    model = Model(version, cann, split_fuse)
     return model, model.module()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -32,9 +33,16 @@ def ops(monkeypatch: pytest.MonkeyPatch) -> npu_model.Model | None:
     """The interface model in place of torch_npu (None on a real Ascend device)."""
     if REAL:
         return None
-    model, module = npu_model.module()
+    return _install(monkeypatch)
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, **stack: Any) -> npu_model.Model:
+    """A fresh interface model as torch_npu (see ``npu_model.Model`` for ``stack``), probed, its log cleared."""
+    model, module = npu_model.module(**stack)
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     point_at(monkeypatch, npu.BACKEND, "cpu")
+    npu.stack("cpu")
+    model.calls.clear()
     return model
 
 
@@ -144,33 +152,78 @@ def test_inference_within_fia_limits_runs_fia(ops, mask):
 
 
 @model_only
-def test_fia_causal_only_where_every_sequence_has_fewer_queries_than_keys(ops):
-    check_forward("npu", make_case([5, 7], [9, 8], **FIA_CASE), causal=True)
-    assert len(calls(ops, FIA)) == 1 and calls(ops, FIA)[0]["sparse_mode"] == 3
-    check_forward("npu", make_case([5, 7], [5, 8], **FIA_CASE), causal=True)  # Lq == Lk: documented as FA's
-    assert len(calls(ops, FIA)) == 1 and len(calls(ops, FA)) == 1
-
-
-@model_only
 def test_fia_skips_the_lse_unless_asked(ops):
     case = make_case([5, 7], [9, 8], **FIA_CASE)
     packattn.varlen_attention(case.q, case.k, case.v, *case.tensors(), backend="npu")
     assert calls(ops, FIA)[0]["softmax_lse_flag"] is False
 
 
-OUTSIDE_FIA = {
-    "fp16": {"dtype": torch.float16},
-    "d128": {"d": 128, "dv": 128},
-    "gqa": {"hkv": 2},
-    "heads4": {"hq": 4, "hkv": 4},
+STACKS = {
+    "cann_unknown": {"cann": ""},
+    "cann_8_2": {"cann": "8.2.RC1"},
+    "cann_8_3": {"cann": "8.3.RC1"},
+    "split_fuse": {"cann": "8.5.0", "split_fuse": True},
+}
+# (case change, mask, lengths) -> which kernel runs on each stack above, in STACKS' order
+FIA_CASES = {
+    "d192_dv128": ({}, {}, "FIA FIA FIA FIA"),
+    "d192_dv192": ({"dv": 192}, {}, "FIA FIA FIA FIA"),
+    "d128": ({"d": 128, "dv": 128}, {}, "FA FA FIA FIA"),
+    "d64_causal": ({"d": 64, "dv": 64}, {"causal": True}, "FA FA FIA FIA"),
+    "d96": ({"d": 96, "dv": 96}, {}, "FA FA FA FIA"),
+    "d256": ({"d": 256, "dv": 256}, {}, "FA FA FA FIA"),
+    "gqa": ({"hkv": 2}, {}, "FA FA FIA FIA"),
+    "gqa_dv192": ({"hkv": 2, "dv": 192}, {}, "FA FA FA FIA"),
+    "heads4": ({"hq": 4, "hkv": 4}, {}, "FA FA FIA FIA"),
+    "fp16": ({"dtype": torch.float16}, {}, "FA FA FA FIA"),
+    "fp16_d256_mqa": ({"dtype": torch.float16, "d": 256, "dv": 256, "hkv": 1}, {}, "FA FA FA FIA"),
+    "fp32": ({"dtype": torch.float32}, {}, "FA FA FA FA"),
+    "causal_lq_lt_lk": ({}, {"causal": True}, "FIA FIA FIA FIA"),
+    "causal_lq_eq_lk": ({}, {"causal": True, "lens_k": [5, 8]}, "FA FA FIA FIA"),
+    "window_dv128": ({}, {"window_size": (3, 1)}, "FIA FIA FIA FIA"),
+    "window_dv192": ({"dv": 192}, {"window_size": (3, 1)}, "FA FA FA FA"),
 }
 
 
 @model_only
-@pytest.mark.parametrize("change", OUTSIDE_FIA)
-def test_outside_fia_limits_inference_runs_fa(ops, change):
-    check_forward("npu", make_case([5, 7], [9, 8], **{**FIA_CASE, **OUTSIDE_FIA[change]}))
-    assert not calls(ops, FIA) and len(calls(ops, FA)) == 1
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("case_name", FIA_CASES)
+def test_inference_runs_fia_where_the_probed_stack_takes_it(monkeypatch, stack, case_name):
+    """Each stack's model rejects any FIA call outside its limits, so a wrong gate fails here, not only a
+    missed FIA; every case matches the oracle."""
+    model = _install(monkeypatch, **STACKS[stack])
+    change, mask, kernels = FIA_CASES[case_name]
+    mask = dict(mask)
+    lens_k = mask.pop("lens_k", [9, 8])
+    check_forward("npu", make_case([5, 7], lens_k, seed=4, **{**FIA_CASE, **change}), **mask)
+    expected = kernels.split()[list(STACKS).index(stack)]
+    assert [len(calls(model, FIA)), len(calls(model, FA))] == ([1, 0] if expected == "FIA" else [0, 1])
+
+
+@model_only
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_stack_is_probed_once(monkeypatch, stack):
+    model, module = npu_model.module(**STACKS[stack])
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    point_at(monkeypatch, npu.BACKEND, "cpu")
+    for seed in range(3):
+        check_forward("npu", make_case([5, 7], [9, 8], seed=seed, **FIA_CASE))
+    trials = [a for a in calls(model, FIA) if a["query"].shape == (3, 2, 256)]
+    assert len(trials) == (1 if stack in ("cann_8_3", "split_fuse") else 0)  # only CANN 8.3+ may be split-fuse
+    found = npu.stack("cpu")
+    assert found.cann == STACKS[stack]["cann"] and found.softmax_layout
+    expected = {"split_fuse": npu.FIA_SPLIT_FUSE, "cann_8_3": npu.FIA_CANN_8_3}.get(stack, npu.FIA_BEFORE_8_3)
+    assert found.fia is expected
+
+
+@model_only
+def test_a_wrong_split_fuse_answer_is_not_trusted(monkeypatch):
+    """A trial call that runs but computes something else leaves CANN 8.3's limits in place."""
+    _, module = npu_model.module(cann="8.5.0", split_fuse=True)
+    real = module.npu_fused_infer_attention_score
+    module.npu_fused_infer_attention_score = lambda *a, **kw: (real(*a, **kw)[0] * 1.1, None)
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    assert npu.stack("cpu").fia is npu.FIA_CANN_8_3
 
 
 @model_only
@@ -326,18 +379,30 @@ def test_model_binds_calls_against_the_schema(ops):
     q = torch.randn(7, 8, 192, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="positional arguments"):
         torch_npu.npu_fused_infer_attention_score(q, q, q, 8)  # num_heads is keyword-only
-    with pytest.raises(npu_model.ModelError, match="bfloat16 only"):
-        torch_npu.npu_fused_infer_attention_score(
-            q.half(),
-            q.half(),
-            q.half(),
-            num_heads=8,
-            scale=0.1,
-            input_layout="TND",
-            actual_seq_lengths=[7],
-            actual_seq_lengths_kv=[7],
-        )
     assert set(npu_model.load_schemas()) == {FA, FIA, GRAD}
+
+
+@model_only
+@pytest.mark.parametrize(
+    ("stack", "change", "message"),
+    [
+        ("cann_8_3", {"dtype": torch.float16}, "bfloat16 only"),
+        ("cann_8_2", {"d": 128}, "TND head dims"),
+        ("cann_8_2", {"hkv": 2}, "equal query and key/value heads"),
+        ("cann_8_3", {"hkv": 2, "dv": 192}, "GQA does not support value D 192"),
+        ("cann_8_3", {"d": 96}, "TND head dims"),
+        ("split_fuse", {"d": 272}, "TND head dims equal"),
+        ("split_fuse", {"dtype": torch.float32}, "float16/bfloat16"),
+    ],
+)
+def test_model_fia_limits_follow_the_cann_version(monkeypatch, stack, change, message):
+    model = _install(monkeypatch, **STACKS[stack])
+    d, dtype, hkv = change.get("d", 192), change.get("dtype", torch.bfloat16), change.get("hkv", 8)
+    dv = change.get("dv", d if d != 192 else 128)
+    q, k, v = (torch.randn(7, h, n, dtype=dtype) for h, n in ((8, d), (hkv, d), (hkv, dv)))
+    call = {"num_heads": 8, "num_key_value_heads": hkv, "scale": 0.1, "input_layout": "TND"}
+    with pytest.raises(npu_model.ModelError, match=message):
+        model.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths=[7], actual_seq_lengths_kv=[7], **call)
 
 
 @model_only
@@ -369,12 +434,16 @@ def test_fia_band_mode_only_for_value_head_dims_64_and_128(ops):
 
 
 @model_only
-@pytest.mark.parametrize("version", ["2.7.1", "2.8.0"])
-def test_info_prints_what_was_found(monkeypatch, capsys, version):
-    monkeypatch.setitem(sys.modules, "torch_npu", npu_model.module(version)[1])
+@pytest.mark.parametrize("stack", [{"version": "2.7.1", "cann": ""}, {"version": "2.8.0"}, STACKS["split_fuse"]])
+def test_info_prints_what_was_found(monkeypatch, capsys, stack):
+    _install(monkeypatch, **stack)
     from packattn import cli
 
     cli.main(["info"])
     text = capsys.readouterr().out
+    version = stack.get("version", "2.8.0")
     layout = "softmax_layout='TND'" if version == "2.8.0" else "default softmax layout, converted per sequence"
-    assert f"torch_npu {version}: FIA for inference in bf16 D=192" in text and layout in text, text
+    found = npu.stack("cpu")
+    cann = f"CANN {found.cann}" if found.cann else "CANN of unknown version"
+    assert f"torch_npu {version}, {cann}, {found.fia.name}: FIA for inference in {found.fia.summary}" in text, text
+    assert layout in text, text

@@ -2,11 +2,22 @@
 
 Two documented kernels run a packed batch in one call each:
 
-* ``torch_npu.npu_fused_infer_attention_score`` (FIA) for inference, when its TND limits hold: bfloat16,
-  Q/K head dim 192 with V head dim 128 or 192, equal query and key/value heads in {8, 16, 32, 64, 128},
-  at most 65536 tokens and 4096 sequences per call, causal only where every sequence has fewer queries
-  than keys, windows (band mode) only with V head dim 128. Its LSE ``(T, N, 1)``
-  (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
+* ``torch_npu.npu_fused_infer_attention_score`` (FIA) for inference, when its TND limits hold. They depend
+  on the generation of CANN's kernels, probed once per process (:func:`stack`) from CANN's version
+  (``torch_npu.npu.utils.get_cann_version``) and, from CANN 8.3 on, one trial call of the newer split-fuse
+  kernels (fp16, grouped heads, head dim 256), checked against a plain computation:
+
+  - before CANN 8.3, or of unknown version: bfloat16, Q/K head dim 192 with V head dim 128 or 192, equal
+    query and key/value heads in {8, 16, 32, 64, 128}, causal only where every sequence has fewer queries
+    than keys;
+  - CANN 8.3: bfloat16, head dims (64, 64), (128, 128) or 192 with V 128/192, up to 128 query heads,
+    grouped heads (at most 64 per KV head) except with V head dim 192, causal where no sequence has more
+    queries than keys;
+  - split-fuse kernels: as 8.3, and float16, equal head dims 16..256 (multiples of 16), grouped heads at
+    every head dim.
+
+  Always: at most 65536 tokens and 4096 sequences per call, windows (band mode) only with V head dim 64 or
+  128 (CANN 8.3 rejects the rest). Its LSE ``(T, N, 1)`` (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
 * ``torch_npu.npu_fusion_attention`` (FA) for everything else it takes, and for inputs that require grad:
   fp16/bf16/fp32, ``D <= 768`` with ``Dv <= D``, up to 256 query heads (GQA/MQA by head ratio), at most
   1024 sequences and 1M tokens per call. Its LSE is ``softmax_max + log(softmax_sum)`` (both
@@ -38,11 +49,14 @@ Sources (torch_npu 2.13.0 wheel and the Ascend op-plugin documentation it embeds
 ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` (op schemas),
 ``torch_npu/op_plugin/meta/_meta_registrations.py`` (output shapes),
 ``torch_npu/distributed/tensor/experimental/_context_parallel/_npu_attention.py`` (LSE from
-softmax_max/sum); https://gitee.com/ascend/op-plugin (docs of both ops).
+softmax_max/sum); https://gitee.com/ascend/op-plugin (docs of both ops; the TND limits of CANN 8.3's
+FIA in ``docs/context/torch_npu-npu_fused_infer_attention_score.md``, the version query in
+``torch_npu-utils-get_cann_version.md``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Iterator
@@ -56,8 +70,6 @@ from .base import OWN_WITHOUT_LSE_GRAD, Backend, Capabilities, Grads, backward_o
 
 UNBOUNDED = 2**31 - 1  # pre_tokens / next_tokens default: no bound
 MASK_SIDE = 2048  # the compressed causal mask the bottom-right sparse modes take
-FIA_HEADS = (8, 16, 32, 64, 128)
-FIA_DIMS = ((192, 128), (192, 192))
 FIA_MAX_BATCH, FIA_MAX_TOKENS = 4096, 65536
 FA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FA_MAX_DIM, FA_MAX_HEADS = 768, 256
@@ -69,7 +81,7 @@ def _ops() -> Any:
 
 
 def _version(text: str) -> tuple[int, int]:
-    """``major, minor`` of a torch_npu version string such as ``2.8.0.post2`` ((0, 0) if unreadable)."""
+    """``major, minor`` of a version string such as ``2.8.0.post2`` or ``8.3.RC1`` ((0, 0) if unreadable)."""
     parts = text.split(".")
     try:
         return int(parts[0]), int(parts[1])
@@ -77,10 +89,111 @@ def _version(text: str) -> tuple[int, int]:
         return 0, 0
 
 
-def _has_softmax_layout() -> bool:
-    """Whether the installed torch_npu's ``npu_fusion_attention`` (and grad) take ``softmax_layout`` (2.8 on);
-    earlier ones reject the keyword, and return softmax_max/sum in their default arrangement."""
-    return _version(str(getattr(_ops(), "__version__", ""))) >= (2, 8)
+@dataclass(frozen=True)
+class FiaLimits:
+    """What FIA's TND path takes with one generation of CANN's kernels (beyond the per-call limits)."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    dims: frozenset[tuple[int, int]]  # (D, Dv)
+    heads_q: frozenset[int]
+    grouped_dims_v: frozenset[int]  # V head dims with which Hq != Hkv is taken
+    causal_needs_fewer_queries: bool  # sparse_mode=3 only where Lq < Lk (else Lq <= Lk)
+    summary: str
+
+    def takes(self, inp: AttentionInputs) -> bool:
+        if inp.q.dtype not in self.dtypes or (inp.head_dim, inp.head_dim_v) not in self.dims:
+            return False
+        hq, hkv = inp.heads_q, inp.heads_kv
+        if hq not in self.heads_q or hq % hkv or hq // hkv > FIA_MAX_GROUP:
+            return False
+        return hq == hkv or inp.head_dim_v in self.grouped_dims_v
+
+
+FIA_MAX_GROUP = 64  # query heads per KV head
+_SPLIT_FUSE_DIMS = range(16, 257, 16)
+FIA_BEFORE_8_3 = FiaLimits(
+    "the oldest documented FIA limits",
+    (torch.bfloat16,),
+    frozenset({(192, 128), (192, 192)}),
+    frozenset({8, 16, 32, 64, 128}),
+    frozenset(),
+    True,
+    "bf16, D=192 (Dv 128/192), equal heads 8-128, causal where Lq < Lk",
+)
+FIA_CANN_8_3 = FiaLimits(
+    "CANN 8.3's FIA limits",
+    (torch.bfloat16,),
+    frozenset({(64, 64), (128, 128), (192, 128), (192, 192)}),
+    frozenset(range(1, 129)),
+    frozenset({64, 128}),
+    False,
+    "bf16, D=Dv in {64, 128} or D=192 (Dv 128/192), GQA except Dv=192, causal where Lq <= Lk",
+)
+FIA_SPLIT_FUSE = FiaLimits(
+    "split-fuse FIA kernels (trial call passed)",
+    (torch.float16, torch.bfloat16),
+    frozenset({(d, d) for d in _SPLIT_FUSE_DIMS} | {(192, 128)}),
+    frozenset(range(1, 129)),
+    frozenset(_SPLIT_FUSE_DIMS),
+    False,
+    "fp16/bf16, D=Dv in 16..256 (multiples of 16) or D=192 (Dv 128), GQA, causal where Lq <= Lk",
+)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What was found of the installed Ascend stack, once per process and device type."""
+
+    torch_npu: str
+    cann: str  # "" where torch_npu cannot tell (CANN before 8.1 answers "")
+    softmax_layout: bool  # FA and its grad take ``softmax_layout`` (torch_npu 2.8 on)
+    fia: FiaLimits
+
+
+def _cann_version(ops: Any) -> str:
+    get = getattr(getattr(getattr(ops, "npu", None), "utils", None), "get_cann_version", None)
+    try:
+        found = get(module="CANN") if get is not None else getattr(torch.version, "cann", None)
+    except (RuntimeError, OSError, ValueError):
+        found = None
+    return str(found or "")
+
+
+def _split_fuse_trial(ops: Any, device_type: str) -> bool:
+    """One FIA call that only the split-fuse kernels take (fp16, 2 query heads on 1 KV head, D=256), checked
+    against a plain computation: whether those kernels are there and right. A refusal is a RuntimeError."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 256, generator=gen).half() for n, h in ((3, 2), (5, 1), (5, 1)))
+    probs = torch.softmax(torch.einsum("ihd,jd->hij", q.float(), k[:, 0].float()) / 16, dim=-1)
+    expect = torch.einsum("hij,jd->ihd", probs, v[:, 0].float())
+    try:
+        out, _ = ops.npu_fused_infer_attention_score(
+            *(x.to(device_type) for x in (q, k, v)),
+            actual_seq_lengths=[3],
+            actual_seq_lengths_kv=[5],
+            num_heads=2,
+            num_key_value_heads=1,
+            scale=1 / 16,
+            input_layout="TND",
+        )
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return bool(torch.allclose(out.float().cpu(), expect, atol=1e-2, rtol=1e-2))
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(ops: Any, device_type: str) -> Stack:
+    version, cann = str(getattr(ops, "__version__", "")), _cann_version(ops)
+    fia = FIA_BEFORE_8_3
+    if _version(cann) >= (8, 3):
+        fia = FIA_SPLIT_FUSE if _split_fuse_trial(ops, device_type) else FIA_CANN_8_3
+    return Stack(version, cann, _version(version) >= (2, 8), fia)
+
+
+def stack(device_type: str = "npu") -> Stack:
+    """The installed stack as probed on its first use (cached per torch_npu module and device type)."""
+    return _probe(_ops(), device_type)
 
 
 def _from_default(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -206,16 +319,15 @@ class _Sparse:
 
 
 def _fia_fits(inp: AttentionInputs, seqs: list[_Seq], sparse: _Sparse) -> bool:
-    """Whether FIA's documented TND limits hold (sequences/tokens per call are split to fit)."""
-    if inp.q.dtype != torch.bfloat16 or (inp.head_dim, inp.head_dim_v) not in FIA_DIMS:
-        return False
-    if inp.heads_q != inp.heads_kv or inp.heads_q not in FIA_HEADS:
-        return False
-    if any(max(s.qe - s.qs, s.ke - s.ks) > FIA_MAX_TOKENS for s in seqs):
+    """Whether FIA's TND limits on the probed stack hold (sequences/tokens per call are split to fit)."""
+    limits = stack(inp.q.device.type).fia
+    if not limits.takes(inp) or any(max(s.qe - s.qs, s.ke - s.ks) > FIA_MAX_TOKENS for s in seqs):
         return False
     if sparse.mode == 4 and inp.head_dim_v not in (64, 128):  # CANN 8.3: band mode only for Dv 64/128
         return False
-    return sparse.mode != 3 or all(s.qe - s.qs < s.ke - s.ks for s in seqs)
+    if sparse.mode == 3 and limits.causal_needs_fewer_queries:
+        return all(s.qe - s.qs < s.ke - s.ks for s in seqs)
+    return sparse.mode != 3 or all(s.qe - s.qs <= s.ke - s.ks for s in seqs)
 
 
 def _fia(inp: AttentionInputs, q, k, v, group: list[_Seq], sparse: _Sparse, with_lse: bool):
@@ -248,7 +360,7 @@ def _fa_args(inp: AttentionInputs, group: list[_Seq], sparse: _Sparse, device: t
         "actual_seq_qlen": _ends([s.qe - s.qs for s in group]),
         "actual_seq_kvlen": _ends([s.ke - s.ks for s in group]),
         "sparse_mode": sparse.mode,
-        **({"softmax_layout": "TND"} if _has_softmax_layout() else {}),
+        **({"softmax_layout": "TND"} if stack(device.type).softmax_layout else {}),
     }
 
 
@@ -257,7 +369,7 @@ def _fa(inp: AttentionInputs, q, k, v, group: list[_Seq], sparse: _Sparse, with_
         q, k, v, inp.heads_q, "TND", scale=inp.mask.scale, **_fa_args(inp, group, sparse, q.device)
     )
     sm_max, sm_sum = res[1], res[2]
-    if with_lse and not _has_softmax_layout():
+    if with_lse and not stack(q.device.type).softmax_layout:
         lens = [s.qe - s.qs for s in group]
         sm_max, sm_sum = _from_default(sm_max, lens), _from_default(sm_sum, lens)
     lse = sm_max[..., 0] + torch.log(sm_sum[..., 0]) if with_lse else None
@@ -304,7 +416,7 @@ def backward(
         row_lse = _gather(lse.transpose(0, 1), rows).float()  # (T, N)
         sm_max = row_lse[..., None].expand(*row_lse.shape, 8).contiguous()
         sm_sum = torch.ones(*row_lse.shape, 8, dtype=torch.float32, device=q.device)
-        if not _has_softmax_layout():
+        if not stack(q.device.type).softmax_layout:
             lens = [s.qe - s.qs for s in group]
             sm_max, sm_sum = _to_default(sm_max, lens), _to_default(sm_sum, lens)
         grads = _ops().npu_fusion_attention_grad(
@@ -348,10 +460,13 @@ class Npu(Backend):
         return None
 
     def details(self) -> str | None:
-        version = getattr(_ops(), "__version__", "of unknown version")
-        stats = "softmax_layout='TND'" if _has_softmax_layout() else "default softmax layout, converted per sequence"
-        fia = "bf16 D=192 (Dv 128/192, windows with Dv 128)"
-        return f"torch_npu {version}: FIA for inference in {fia}, FA ({stats}) for the rest and training"
+        found = stack((self.capabilities.devices or ("npu",))[0])
+        cann = f"CANN {found.cann}" if found.cann else "CANN of unknown version"
+        stats = "softmax_layout='TND'" if found.softmax_layout else "default softmax layout, converted per sequence"
+        return (
+            f"torch_npu {found.torch_npu or '(no version)'}, {cann}, {found.fia.name}: "
+            f"FIA for inference in {found.fia.summary}, windows with Dv 64/128; FA ({stats}) for the rest and training"
+        )
 
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward(inp)
