@@ -10,10 +10,11 @@ import packattn
 from packattn import dispatch
 from packattn.backends import reference
 from packattn.backends.base import backward_of
-from packattn.testing import attention_naive
+from packattn.testing import assert_close_to_oracle, attention_naive
 
 from .helpers import (
     COMPILED_LSE_BACKENDS,
+    DEVICE,
     DEVICE_BACKENDS,
     LSE_BACKENDS,
     STRIDES,
@@ -222,6 +223,41 @@ def test_backward_without_return_lse(backend, mask):
         grads.append(torch.autograd.grad((out * dout).sum(), (case.q, case.k, case.v)))
     for without, with_ in zip(*grads):  # with return_lse=True, test_backward_matches_oracle checks them
         assert torch.equal(without, with_)
+
+
+def _one_hot_rows(lq: int, lk: int, d: int, hq: int, hkv: int, magnitude: float) -> tuple[torch.Tensor, ...]:
+    """q, k, v whose scores are ~ ``magnitude`` with one key per query row ahead of the rest by far more than
+    the softmax can see: keys evenly on a circle in a random plane, each query head aimed at one of them."""
+    gen = torch.Generator().manual_seed(5)
+    plane = torch.linalg.qr(torch.randn(d, 2, generator=gen, dtype=torch.float64))[0]
+    radius = magnitude**0.5 * d**0.25  # scores: radius**2 / sqrt(d) * cos(angle)
+    angles = torch.arange(lk, dtype=torch.float64) * (2 * torch.pi / lk)
+    point = radius * torch.stack([angles.cos(), angles.sin()], -1) @ plane.T  # (lk, d)
+    q = point[torch.randint(0, lk, (lq, hq), generator=gen)]
+    k = point[:, None, :].expand(lk, hkv, d)
+    v = torch.randn(lk, hkv, d, generator=gen, dtype=torch.float64)
+    return tuple(x.float().contiguous().to(DEVICE) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_huge_scores_one_hot_rows_give_exact_gradients(backend):
+    """Scores ~ 1e6, where one fp32 ulp is 0.06: a backward that recomputes a score or the LSE with any other
+    rounding than the forward's gets exp(s - lse) != 1 for the one key a row sees (a 0.9x dV before). dV is
+    the probabilities' transpose times dO; dQ and dK are ~0 here, with the rounding of
+    delta = rowsum(dO * out) times |k| ~ 2000 on every flash-style backward, so they are not compared."""
+    lq, lk = (20, 100) if interpreted(backend) else (300, 600)  # past the compiled kernels' key tiles
+    q, k, v = (x.requires_grad_() for x in _one_hot_rows(lq, lk, 16, 2, 1, 1e6))
+    cu_q, cu_k = torch.tensor([0, lq], dtype=torch.int32), torch.tensor([0, lk], dtype=torch.int32)
+    dout = torch.randn(lq, 2, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out = packattn.varlen_attention(q, k, v, cu_q, cu_k, backend=backend)
+    (got,) = torch.autograd.grad(out, (v,), dout)
+
+    def dv(dtype: torch.dtype) -> torch.Tensor:
+        xs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        o, _ = attention_naive(*xs, [0, lq], [0, lk])
+        return torch.autograd.grad(o, xs[2], dout.to(dtype))[0]
+
+    assert_close_to_oracle(got, dv(torch.float64), dv(torch.float32), name="dv")
 
 
 # The backends whose gradients come from the reference backward (the reference itself, cpu).

@@ -12,7 +12,6 @@ namespace {
 using namespace detail;
 
 constexpr int64_t kBwdRows = 64;   // target G x block_q rows
-constexpr int64_t kBwdKeys = 128;  // keys per tile
 
 template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct BwdWork {
@@ -73,7 +72,7 @@ QuerySide<E> query_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_
 template <typename E, typename T>
 std::tuple<BOperand, BOperand, BOperand> key_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t b,
                                                   int64_t tile, int64_t h, bool rows) {
-  const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
+  const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0, kp = pad16(bk);
   const int64_t d = a.sh.d, dv = a.sh.dv, dp = tile_width<E>(d), dvp = tile_width<E>(dv);
   const auto prepared = [&](TileCache<E>& cache, const Rows<T>& x, int64_t width, int64_t width_pad, bool t) {
     return cache.get(b, h, tile,
@@ -127,7 +126,7 @@ template <typename E, typename T>
 void key_tile_grads(BwdWork<E>& w, const BwdArgs<T>& a, int64_t b, int64_t h, int64_t tile, float* dq) {
   const Seq& s = a.seqs[b];
   const Shape& sh = a.sh;
-  const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
+  const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0, kp = pad16(bk);
   const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv), mpmax = pad16(sh.g * a.block_q);
   const auto [kt, vt, kr] = key_side(w, a, s, b, tile, h, dq != nullptr);
   float *dk = w.acc, *dv = w.acc2;
@@ -166,7 +165,7 @@ void sequence_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
   const int64_t mpmax = pad16(a.sh.g * a.block_q), dp = tile_width<E>(a.sh.d);
   const int64_t blocks = (s.lq + a.block_q - 1) / a.block_q;
   std::fill(w.dq, w.dq + blocks * mpmax * dp, 0.f);
-  for (int64_t tile = 0; tile * kBwdKeys < s.lk; ++tile) key_tile_grads(w, a, it.b, it.h, tile, w.dq);
+  for (int64_t tile = 0; tile * kKeyTile < s.lk; ++tile) key_tile_grads(w, a, it.b, it.h, tile, w.dq);
   for (int64_t block = 0; block < blocks; ++block) {
     const int64_t i0 = block * a.block_q;
     store_dq<E>(a, s, it.h, i0, std::min(s.lq, i0 + a.block_q) - i0, w.dq + block * mpmax * dp);
@@ -175,7 +174,7 @@ void sequence_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
 
 template <typename E, typename T>
 void dkdv_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
-  key_tile_grads<E>(w, a, it.b, it.h, it.r0 / kBwdKeys, nullptr);
+  key_tile_grads<E>(w, a, it.b, it.h, it.r0 / kKeyTile, nullptr);
 }
 
 // dQ of one query block: the sum over the key tiles it sees.
@@ -188,8 +187,8 @@ void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
   float* dq = w.acc;
   std::fill(dq, dq + mp * dp, 0.f);
   const int64_t lo = a.mask.lo(s, i0), hi = a.mask.hi(s, it.r1 - 1);
-  for (int64_t tile = lo / kBwdKeys; tile * kBwdKeys < hi; ++tile) {
-    const int64_t j0 = tile * kBwdKeys, bk = std::min(s.lk, j0 + kBwdKeys) - j0, kp = pad16(bk);
+  for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
+    const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0, kp = pad16(bk);
     const auto [kt, vt, kr] = key_side(w, a, s, it.b, tile, it.h, true);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
     mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kr, dq, dp, true);
@@ -202,23 +201,23 @@ void run_backward(const BwdArgs<T>& a) {
   const Shape& sh = a.sh;
   const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
-  const int64_t key_tiles = max_blocks(a.seqs, kBwdKeys, true), query_blocks = max_blocks(a.seqs, a.block_q, false);
+  const int64_t key_tiles = max_blocks(a.seqs, kKeyTile, true), query_blocks = max_blocks(a.seqs, a.block_q, false);
   auto make = [&] {
     BwdWork<E> w;
     w.lse = buffer(w.keep, mp);
     w.delta = buffer(w.keep, mp);
-    w.s = buffer(w.keep, mp * kBwdKeys);
-    w.ds = buffer(w.keep, mp * kBwdKeys);
-    w.acc = buffer(w.keep, std::max(mp, kBwdKeys) * dp);
-    w.acc2 = buffer(w.keep, kBwdKeys * dvp);
-    w.scratch = buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp));
-    w.st = buffer<E>(w.keep, mp * kBwdKeys);
-    w.tmp = amx ? buffer<E>(w.keep, kBwdKeys * std::max(dp, dvp)) : nullptr;
-    w.half = amx ? buffer<E>(w.keep, mp * kBwdKeys) : nullptr;
+    w.s = buffer(w.keep, mp * kKeyTile);
+    w.ds = buffer(w.keep, mp * kKeyTile);
+    w.acc = buffer(w.keep, std::max(mp, kKeyTile) * dp);
+    w.acc2 = buffer(w.keep, kKeyTile * dvp);
+    w.scratch = buffer<E>(w.keep, kKeyTile * std::max(dp, dvp));
+    w.st = buffer<E>(w.keep, mp * kKeyTile);
+    w.tmp = amx ? buffer<E>(w.keep, kKeyTile * std::max(dp, dvp)) : nullptr;
+    w.half = amx ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
     w.queries.init(w.keep, query_blocks, mp * (dp + dvp) * (amx ? 2 : 1));
-    w.kt.init(w.keep, key_tiles, kBwdKeys * dp);
-    w.vt.init(w.keep, key_tiles, kBwdKeys * dvp);
-    w.k.init(w.keep, key_tiles, kBwdKeys * dp);
+    w.kt.init(w.keep, key_tiles, kKeyTile * dp);
+    w.vt.init(w.keep, key_tiles, kKeyTile * dvp);
+    w.k.init(w.keep, key_tiles, kKeyTile * dp);
     return w;
   };
   // One pass per (sequence, KV head) when there are enough of them to keep every thread busy: 5 products per
@@ -235,7 +234,7 @@ void run_backward(const BwdArgs<T>& a) {
     run_plan(whole, amx, fused, [&](const Item& it, BwdWork<E>& w) { sequence_item(it, w, a); });
     return;
   }
-  run_plan(make_plan(a.seqs, a.mask, sh, kBwdKeys, true), amx, make,
+  run_plan(make_plan(a.seqs, a.mask, sh, kKeyTile, true), amx, make,
            [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); });
   run_plan(make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
            [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); });

@@ -8,7 +8,6 @@ namespace {
 using namespace detail;
 
 constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward item
-constexpr int64_t kFwdKeys = 256;  // keys per score tile
 
 template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct FwdWork {
@@ -77,8 +76,8 @@ void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
   std::fill(w.acc, w.acc + mp * ldo, 0.f);
   const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
   const Scores score(mask);
-  for (int64_t tile = lo / kFwdKeys; tile * kFwdKeys < hi; ++tile) {
-    const int64_t j0 = tile * kFwdKeys, bk = std::min(s.lk, j0 + kFwdKeys) - j0;
+  for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
+    const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0;
     const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
     const E* kt = w.kt.get(it.b, it.h, tile, [&](E* slot) {
       prepare_keys(a.k, s.k0 + j0, bk, it.h, d, dp, true, slot, w.tmp, w.scratch);
@@ -115,19 +114,19 @@ void run_forward(const FwdArgs<T>& a) {
   const Shape& sh = a.sh;
   const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
   const bool amx = !std::is_same_v<E, float>;
-  const int64_t tiles = max_blocks(a.seqs, kFwdKeys, true);
+  const int64_t tiles = max_blocks(a.seqs, kKeyTile, true);
   auto make = [&] {
     FwdWork<E> w;
-    w.s = buffer(w.keep, mp * kFwdKeys);
+    w.s = buffer(w.keep, mp * kKeyTile);
     w.acc = buffer(w.keep, mp * ldo);
     w.m = buffer(w.keep, mp);
     w.l = buffer(w.keep, mp);
     w.q = buffer<E>(w.keep, mp * dp);
-    w.scratch = buffer<E>(w.keep, kFwdKeys * std::max(dp, ldo));
-    w.tmp = amx ? buffer<E>(w.keep, kFwdKeys * std::max(dp, ldo)) : nullptr;
-    w.p = amx ? buffer<E>(w.keep, mp * kFwdKeys) : nullptr;
-    w.kt.init(w.keep, tiles, kFwdKeys * dp);
-    w.v.init(w.keep, tiles, kFwdKeys * ldo);
+    w.scratch = buffer<E>(w.keep, kKeyTile * std::max(dp, ldo));
+    w.tmp = amx ? buffer<E>(w.keep, kKeyTile * std::max(dp, ldo)) : nullptr;
+    w.p = amx ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
+    w.kt.init(w.keep, tiles, kKeyTile * dp);
+    w.v.init(w.keep, tiles, kKeyTile * ldo);
     return w;
   };
   const Plan plan = make_plan(a.seqs, a.mask, sh, a.block_q, false);

@@ -41,6 +41,15 @@
 #define PACKATTN_DISPATCH(TYPE, NAME, ...) AT_DISPATCH_SWITCH(TYPE, NAME, PACKATTN_DISPATCH_CASES(__VA_ARGS__))
 
 namespace packattn_kernel {
+namespace detail {
+
+// Keys per score tile, in the forward and the backward alike: the backward recomputes every score with the
+// same product over the same keys as the forward, so exp(score - LSE) is exactly what the forward normalised
+// (a one-hot row's probability is exactly 1 however large its scores). Another partition may round a score
+// differently, and at |score| ~ 1e6 one ulp is a factor of about 1.06 in the probability.
+constexpr int64_t kKeyTile = 256;
+
+}  // namespace detail
 
 // Out (Tq, Hq, Dv) in q's dtype and, with with_lse, the LSE (Hq, Tq) in float32 (else an undefined tensor).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -14,7 +14,10 @@ stride, and every stride is an argument.
 * The forward keeps a running max ``m``, sum ``denom`` and accumulator in ``ACC`` (fp32, fp64 for fp64)
   and stores ``out = acc / denom`` and the natural-log ``lse = (m + log2(denom)) * ln(2)``; rows that saw
   nothing store 0 and -inf.
-* The backward recomputes ``p = exp2(s - lse * log2(e))`` (``dS`` stays in natural units). dK/dV: one
+* The backward recomputes ``p = exp(s * ln(2) - lse)``: the score goes to natural units by the same
+  rounded product that took the forward's max there, so a row with one dominant key gets exactly
+  ``p = 1`` however large its scores (converting the LSE to base 2 instead rounds it, by up to a factor of
+  ``2**(|lse| * 2**-23)`` in ``p``: 0.9 at scores ~ 1e6). ``dS`` stays in natural units. dK/dV: one
   program per (key block, KV head) loops over the ``G`` query heads of its group and the query blocks
   that can see its keys; dQ: one program per (query block, query head). Each output element is written
   by one program: no atomics, deterministic.
@@ -220,8 +223,10 @@ def dkdv_kernel(
     dv = tl.arange(0, BLOCK_DV)
     k_ptr = K + ks.to(tl.int64) * sk_t + hk.to(tl.int64) * sk_h
     v_ptr = V + ks.to(tl.int64) * sv_t + hk.to(tl.int64) * sv_h
-    kb = _tile(k_ptr, j, lk, sk_t, d, D, sk_d, False).to(DOT)
-    vb = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, False).to(DOT)
+    # K and V transposed, so that scores are the same product, of the same operands, as in the forward and
+    # dQ (not K Q^T): the recomputed probabilities are then exactly the forward's.
+    kt = _tile(k_ptr, j, lk, sk_t, d, D, sk_d, True).to(DOT)
+    vt = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, True).to(DOT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dvacc = tl.zeros([BLOCK_N, BLOCK_DV], ACC)
     j1 = tl.minimum(j0 + BLOCK_N, lk)
@@ -234,22 +239,22 @@ def dkdv_kernel(
         for i0 in range(lo, hi, BLOCK_M):
             i = i0 + tl.arange(0, BLOCK_M)
             qb = _tile(q_ptr, i, lq, sq_t, d, D, sq_d, False).to(DOT)
-            qk = tl.dot(kb, tl.trans(qb), input_precision=PRECISION, out_dtype=ACC).to(ACC)
+            qk = tl.dot(qb, kt, input_precision=PRECISION, out_dtype=ACC).to(ACC)
             s, t = _scores(
-                qk, i0, j0, i[None, :], j[:, None], off, lq, lk, qk_scale, cap, left, right,
+                qk, i0, j0, i[:, None], j[None, :], off, lq, lk, qk_scale, cap, left, right,
                 BLOCK_M, BLOCK_N, SOFTCAP, HAS_LEFT, HAS_RIGHT,
             )  # fmt: skip
             lse = tl.load(LSE + row_ptr + i, mask=i < lq, other=0.0)
-            p = tl.exp2(s - (tl.where(lse == float("-inf"), 0.0, lse) * LOG2E)[None, :])  # (keys, rows)
+            p = tl.exp(s * LN2 - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
             dob = _tile(do_ptr, i, lq, sdo_t, dv, DV, sdo_d, False).to(DOT)
-            dvacc += tl.dot(p.to(DOT), dob, input_precision=PRECISION, out_dtype=ACC).to(ACC)
-            dp = tl.dot(vb, tl.trans(dob), input_precision=PRECISION, out_dtype=ACC).to(ACC)
+            dvacc += tl.dot(tl.trans(p.to(DOT)), dob, input_precision=PRECISION, out_dtype=ACC).to(ACC)
+            dp = tl.dot(dob, vt, input_precision=PRECISION, out_dtype=ACC).to(ACC)
             delta = tl.load(DELTA + row_ptr + i, mask=i < lq, other=0.0)
-            ds = p * (dp - delta[None, :])
+            ds = p * (dp - delta[:, None])
             if SOFTCAP:
                 ds = ds * (1.0 - t * t)
             ds = ds * scale
-            dk += tl.dot(ds.to(DOT), qb, input_precision=PRECISION, out_dtype=ACC).to(ACC)
+            dk += tl.dot(tl.trans(ds.to(DOT)), qb, input_precision=PRECISION, out_dtype=ACC).to(ACC)
     dk_ptr = DK + ks.to(tl.int64) * sdk_t + hk.to(tl.int64) * sdk_h
     dv_ptr = DV_OUT + ks.to(tl.int64) * sdv_t + hk.to(tl.int64) * sdv_h
     _store(dk_ptr, dk, j, lk, sdk_t, d, D, sdk_d)
@@ -282,7 +287,7 @@ def dq_kernel(
     dob = _tile(do_ptr, i, lq, sdo_t, dv, DV, sdo_d, False).to(DOT)
     row_ptr = h.to(tl.int64) * sl_h + qs
     lse = tl.load(LSE + row_ptr + i, mask=i < lq, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta = tl.load(DELTA + row_ptr + i, mask=i < lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     i1 = tl.minimum(i0 + BLOCK_M, lq)
@@ -310,7 +315,7 @@ def dq_kernel(
             HAS_LEFT,
             HAS_RIGHT,
         )
-        p = tl.exp2(s - lse[:, None])
+        p = tl.exp(s * LN2 - lse[:, None])
         vt = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, True).to(DOT)
         dp = tl.dot(dob, vt, input_precision=PRECISION, out_dtype=ACC).to(ACC)
         ds = p * (dp - delta[:, None])
