@@ -11,7 +11,7 @@ namespace {
 
 using namespace detail;
 
-constexpr int64_t kBwdRows = 64;   // target G x block_q rows
+constexpr int64_t kBwdRows = 64;  // target G x block_q rows
 
 template <typename E>  // tile element: float, or BFloat16 on the matrix units
 struct BwdWork {
