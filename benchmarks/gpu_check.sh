@@ -23,7 +23,8 @@ $py -m packattn info | tee -a "$out/device.txt"
 if [[ $part == tests || $part == all ]]; then
     # The ordinary backend tests, on CUDA tensors: every backend that runs there (triton compiled, not interpreted).
     PACKATTN_TEST_DEVICE=cuda $py -m pytest -q -p no:cacheprovider -rs --durations=10 \
-        tests/test_contract.py tests/test_contract_properties.py tests/test_mask.py tests/test_triton.py 2>&1 | tee "$out/tests.txt"
+        tests/test_contract.py tests/test_contract_properties.py tests/test_mask.py tests/test_triton.py \
+        tests/test_nonfinite.py 2>&1 | tee "$out/tests.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $part == forward || $part == all ]]; then

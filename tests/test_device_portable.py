@@ -15,7 +15,7 @@ import pytest
 from .helpers import FAKE_DEVICE
 
 # The files gpu_check.sh runs with PACKATTN_TEST_DEVICE=cuda.
-PORTABLE = ["test_contract.py", "test_contract_properties.py", "test_mask.py", "test_triton.py"]
+PORTABLE = ["test_contract.py", "test_contract_properties.py", "test_mask.py", "test_triton.py", "test_nonfinite.py"]
 
 
 @pytest.mark.skipif(FAKE_DEVICE is not None, reason="already on the fake device")

@@ -177,6 +177,19 @@ def test_empty_side_is_ignored_even_if_its_out_is_garbage(empty_side, garbage):
     assert torch.equal(lse, full_lse)
 
 
+@pytest.mark.parametrize("nan_side", ["a", "b"])
+def test_a_nan_lse_makes_the_row_nan(nan_side):
+    """A NaN LSE (a row whose softmax was undefined: NaN or infinite inputs) is not an empty side."""
+    (out_a, lse_a), (out_b, lse_b) = random_state(6, 2, 4, 12, 0.0), random_state(6, 2, 4, 13, 0.0)
+    lse_a, lse_b = lse_a.clone(), lse_b.clone()
+    (lse_a if nan_side == "a" else lse_b)[1, 3] = math.nan
+    out, lse = packattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    bad = torch.zeros(2, 6, dtype=torch.bool)
+    bad[1, 3] = True
+    assert torch.isnan(lse[bad]).all() and torch.isfinite(lse[~bad]).all()
+    assert torch.isnan(out[3, 1]).all() and torch.isfinite(out[~bad.transpose(0, 1)]).all()
+
+
 def test_mixed_rows_each_ignore_their_empty_side():
     out_a, lse_a = random_state(16, 2, 3, 20, 0.0)
     out_b, lse_b = random_state(16, 2, 3, 21, 0.0)

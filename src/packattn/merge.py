@@ -15,7 +15,8 @@ def merge_attention_states(
 
     Args:
         out_a, out_b: ``(T, H, Dv)`` partial outputs, each normalised over its own keys.
-        lse_a, lse_b: ``(H, T)`` natural-log LSE of each part; ``-inf`` marks a row that saw no key.
+        lse_a, lse_b: ``(H, T)`` natural-log LSE of each part; ``-inf`` marks a row that saw no key, NaN one
+            whose softmax was undefined (NaN or infinite inputs), which makes the merged row NaN.
 
     Returns:
         ``(out, lse)`` with ``lse = logaddexp(lse_a, lse_b)`` and
@@ -62,7 +63,8 @@ def merge_attention_states(
     ref = lse.masked_fill(torch.isinf(lse), 0.0)
     wa = torch.exp(la - ref).transpose(0, 1)[..., None]
     wb = torch.exp(lb - ref).transpose(0, 1)[..., None]
-    # A side with weight 0 contributes exactly 0, even if its output holds garbage (e.g. NaN).
+    # A side with weight 0 contributes exactly 0, even if its output holds garbage (e.g. NaN); a NaN weight
+    # (a NaN LSE: its softmax was undefined) makes the row NaN.
     zero = out_a.new_zeros((), dtype=cdt)
-    out = torch.where(wa > 0, out_a.to(cdt) * wa, zero) + torch.where(wb > 0, out_b.to(cdt) * wb, zero)
+    out = torch.where(wa == 0, zero, out_a.to(cdt) * wa) + torch.where(wb == 0, zero, out_b.to(cdt) * wb)
     return out.to(out_a.dtype), lse

@@ -33,7 +33,7 @@ import torch
 from ..inputs import AttentionInputs, MaskSpec
 from ..layout import SeqLayout
 from ..merge import merge_attention_states
-from . import reference
+from . import nonfinite, reference
 from .base import Backend, Capabilities, backward_of
 
 
@@ -162,6 +162,10 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Out and, when ``inp.return_lse`` (a caller or a backward pass reads it), the LSE; else ``None``."""
     if not _uses_kernel(inp):
         return reference.forward(inp)
+    return nonfinite.propagate(inp, *_kernel_forward(inp))  # the kernel returns finite rows for NaN queries
+
+
+def _kernel_forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     total, heads, dv = inp.q.shape[0], inp.q.shape[1], inp.v.shape[2]
     lse_dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
     pieces = _pieces(inp)

@@ -67,6 +67,19 @@ def _tiles(mask: MaskSpec, lq: int, lk: int):
         yield i0, i1, [(j0, min(hi, j0 + BLOCK_K)) for j0 in range(lo, hi, BLOCK_K)]
 
 
+def row_status(
+    m: torch.Tensor, denom: torch.Tensor, mask: MaskSpec, rows: tuple[int, int], lq: int, lk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fine, empty)`` of the grouped rows ``(Hkv, G * bq)`` of query rows ``rows``, from their final max and
+    sum: a finite max and sum is a defined softmax; a row that sees no key is empty (out 0, LSE -inf); any
+    other met a NaN or +inf score, or only -inf ones (infinite inputs), and gets NaN out and LSE."""
+    fine = torch.isfinite(m) & (denom > 0)
+    lo, hi = mask.visible_rows(lq, lk)
+    r = torch.arange(*rows, device=m.device)
+    empty = ((r < lo) | (r >= hi)).repeat(m.shape[1] // len(r))
+    return fine, empty.expand_as(m)
+
+
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, mask = inp.q, inp.k, inp.v, inp.mask
     cdt = compute_dtype(q.dtype)
@@ -89,16 +102,17 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
             for j0, j1 in chunks:
                 s, _ = tile_scores(qb, kseq[:, j0:j1], mask, (i0, i1), (j0, j1), lq, lk)
                 m_new = torch.maximum(m, s.amax(-1))
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
                 p = torch.exp(s - m_safe[..., None])
                 alpha = torch.exp(m - m_safe)
                 denom = denom * alpha + p.sum(-1)
                 acc = acc * alpha[..., None] + torch.bmm(p, vseq[:, j0:j1])
                 m = m_new
-            seen = denom > 0
-            o = acc / torch.where(seen, denom, torch.ones_like(denom))[..., None]
+            fine, empty = row_status(m, denom, mask, (i0, i1), lq, lk)
+            o = acc / torch.where(fine, denom, torch.ones_like(denom))[..., None]
+            o = torch.where(fine[..., None], o, torch.where(empty, 0.0, float("nan"))[..., None])
             out[qs + i0 : qs + i1] = _ungrouped(o, i1 - i0).to(q.dtype)
-            block_lse = torch.where(seen, m + torch.log(denom), torch.full_like(m, float("-inf")))
+            block_lse = torch.where(fine, m + torch.log(denom), torch.where(empty, float("-inf"), float("nan")))
             lse[:, qs + i0 : qs + i1] = block_lse.view(hkv, -1, i1 - i0).reshape(-1, i1 - i0)
     return out, lse
 

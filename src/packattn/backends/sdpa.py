@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import AttentionInputs
+from . import nonfinite
 from .base import AUTOGRAD, Backend, Capabilities
 
 
-def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
+def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     q, k, v, mask = inp.q, inp.k, inp.v, inp.mask
     g = inp.heads_q // inp.heads_kv
     pieces = []
@@ -40,7 +41,7 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, None]:
         pieces.append(o[0].transpose(0, 1))
     if not pieces:
         return q.new_zeros(0, q.shape[1], v.shape[2]), None
-    return torch.cat(pieces).contiguous(), None
+    return nonfinite.propagate(inp, torch.cat(pieces).contiguous(), None)  # SDPA's CPU kernel drops NaN queries
 
 
 class Sdpa(Backend):
@@ -50,7 +51,7 @@ class Sdpa(Backend):
     capabilities = Capabilities(softcap=False, windows=False, lse=False, deterministic=False)
     gradients = (AUTOGRAD,)
 
-    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, None]:
+    def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward(inp)
 
 

@@ -39,6 +39,10 @@ float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
     return 1.f;
   }
   const float m_new = std::max(m, score(row_max(row + c0, c1 - c0)));
+  if (m_new == kNegInf) {  // every visible score so far -inf (infinite inputs): nothing to add yet
+    std::fill(p, p + width, E(0));
+    return 1.f;
+  }
   const Vec shift(m_new), zero(0.f);
   Vec sum(0.f);
   int64_t c = c0;
@@ -98,14 +102,21 @@ void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
     });
     mm(mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
   }
+  // A finite max and sum: the softmax is defined. Else a row that sees keys met a NaN or +inf score, or only
+  // -inf ones (from infinite inputs): NaN out and LSE; a row that sees no key: 0 and -inf.
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = s.q0 + i0 + r % bq, head = it.h * sh.g + r / bq;
+    const int64_t i = i0 + r % bq, t = s.q0 + i, head = it.h * sh.g + r / bq;
     float* acc = w.acc + r * ldo;
-    const bool seen = w.l[r] > 0.f;
-    const Vec inv(seen ? 1.f / w.l[r] : 0.f);
-    at::vec::map([inv](Vec x) { return x * inv; }, acc, acc, dv);
+    const bool fine = std::isfinite(w.m[r]) && w.l[r] > 0.f, sees = mask.lo(s, i) < mask.hi(s, i);
+    if (fine) {
+      const Vec inv(1.f / w.l[r]);
+      at::vec::map([inv](Vec x) { return x * inv; }, acc, acc, dv);
+    } else {
+      std::fill(acc, acc + dv, sees ? kNaN : 0.f);
+    }
     at::vec::convert(acc, a.out + (t * a.hq + head) * dv, dv);
-    if (a.lse) a.lse[head * a.tq + t] = seen ? w.m[r] + std::log(w.l[r]) : kNegInf;
+    if (a.lse) a.lse[head * a.tq + t] = fine ? w.m[r] + std::log(w.l[r]) : sees ? kNaN : kNegInf;
   }
 }
 

@@ -12,8 +12,8 @@ stride, and every stride is an argument.
   directly, with no multiply per element. The element mask (window bounds, sequence ends) is applied only
   to tiles that are not entirely visible; loops run only over the blocks the window can make visible.
 * The forward keeps a running max ``m``, sum ``denom`` and accumulator in ``ACC`` (fp32, fp64 for fp64)
-  and stores ``out = acc / denom`` and the natural-log ``lse = (m + log2(denom)) * ln(2)``; rows that saw
-  nothing store 0 and -inf.
+  and stores ``out = acc / denom`` and the natural-log ``lse = (m + log2(denom)) * ln(2)``; rows that see
+  no key store 0 and -inf, rows whose softmax is undefined (a NaN or +inf score, or only -inf ones) NaN.
 * The backward recomputes ``p = exp(s * ln(2) - lse)``: the score goes to natural units by the same
   rounded product that took the forward's max there, so a row with one dominant key gets exactly
   ``p = 1`` however large its scores (converting the LSE to base 2 instead rounds it, by up to a factor of
@@ -196,11 +196,15 @@ def forward_kernel(
         vb = _tile(v_ptr, j, lk, sv_t, dv, DV, sv_d, False).to(DOT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vb, input_precision=PRECISION, out_dtype=ACC).to(ACC)
         m = m_new
-    seen = denom > 0
-    out = acc / tl.where(seen, denom, 1.0)[:, None]
+    # A finite max and sum: the softmax is defined. Else a row that sees keys met a NaN or +inf score, or only
+    # -inf ones (from infinite inputs): NaN out and LSE; a row that sees no key: 0 and -inf.
+    fine = (tl.abs(m) < float("inf")) & (denom > 0)
+    row_lo, row_hi = _key_range(i, i + 1, off, lk, left, right, HAS_LEFT, HAS_RIGHT)
+    sees = row_lo < row_hi
+    out = tl.where(fine[:, None], acc / tl.where(fine, denom, 1.0)[:, None], tl.where(sees, float("nan"), 0.0)[:, None])
     o_ptr = OUT + qs.to(tl.int64) * so_t + h.to(tl.int64) * so_h
     _store(o_ptr, out, i, lq, so_t, dv, DV, so_d)
-    lse = tl.where(seen, (m + tl.log2(tl.where(seen, denom, 1.0))) * LN2, float("-inf"))
+    lse = tl.where(fine, (m + tl.log2(tl.where(fine, denom, 1.0))) * LN2, tl.where(sees, float("nan"), float("-inf")))
     tl.store(LSE + h.to(tl.int64) * sl_h + qs + i, lse, mask=i < lq)
 
 
