@@ -45,13 +45,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packattn"
 
 
+def sanitizers() -> str:
+    """``PACKATTN_KERNEL_SANITIZE`` (e.g. ``address,undefined``): build the kernel with those sanitizers, in a
+    build of its own, for ``tools/sanitize.sh``; empty for the normal build."""
+    return os.environ.get("PACKATTN_KERNEL_SANITIZE", "").strip()
+
+
 def build_dir() -> Path:
     sha = hashlib.sha256()
     for path in SOURCES + HEADERS:  # names and contents: code moved between files is a new build too
         data = path.read_bytes()
         sha.update(f"{path.name}\0{len(data)}\0".encode() + data)
     digest = sha.hexdigest()[:12]
-    return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}"
+    san = f"-sanitize-{sanitizers().replace(',', '-')}" if sanitizers() else ""
+    return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}{san}"
 
 
 def _module_name() -> str:
@@ -124,6 +131,10 @@ def _build(verbose: bool) -> ModuleType:
         print(f"packattn: compiling the C++ CPU kernel into {where} (once per torch version and CPU)", file=sys.stderr)
     cap = capability()
     flags = ["-O3", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
+    ldflags = []
+    if sanitizers():
+        flags = ["-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={sanitizers()}", *flags[2:]]
+        ldflags = [f"-fsanitize={sanitizers()}"]
     if torch.backends.openmp.is_available():
         # at::parallel_for is a header template over `#pragma omp parallel`: without -fopenmp it runs on one
         # thread. The OpenMP calls resolve to the runtime torch already loaded (libtorch_cpu links it).
@@ -133,6 +144,7 @@ def _build(verbose: bool) -> ModuleType:
             name=name,
             sources=[str(p) for p in SOURCES],
             extra_cflags=flags,
+            extra_ldflags=ldflags,
             build_directory=str(where),
             verbose=verbose,
         )
