@@ -68,6 +68,54 @@ def test_backward_low_precision_across_tiles(dtype):
     check_backward("cpu_kernel", case, causal=True)
 
 
+# Every way the kernel multiplies bf16 (AMX tiles, the AVX512_BF16 dot-product loop, fp32 tiles); those that
+# do not run on this CPU and build are skipped with the reason.
+BF16_PRODUCTS = ("amx", "avx512_bf16", "fp32")
+
+
+@pytest.fixture(params=BF16_PRODUCTS)
+def bf16_products(request, monkeypatch):
+    runs_here = build.load().bf16_products()
+    if request.param not in runs_here:
+        pytest.skip(f"bf16 products {request.param} do not run here (only {runs_here})")
+    monkeypatch.setenv(cpu_kernel.BF16_PRODUCTS_ENV, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap"])
+def test_bf16_products_across_items_and_tiles(bf16_products, mask):
+    fwd = make_case(*LONG, hq=8, hkv=2, d=40, dv=24, dtype=torch.bfloat16, seed=26)
+    check_forward("cpu_kernel", fwd, **MASKS[mask])
+    # Head dims that are no multiple of the 32 a dot-product step or the 64 columns of a packed block take.
+    bwd = make_case(
+        [150, 3, 0], [140, 200, 9], hq=4, hkv=2, d=72, dv=136, dtype=torch.bfloat16, seed=27, requires_grad=True
+    )
+    check_backward("cpu_kernel", bwd, **MASKS[mask])
+
+
+def test_bf16_products_are_the_ones_asked_for(monkeypatch):
+    """Each choice reaches the kernel: fp32 tiles keep the probabilities in fp32 for P V, the bf16 products
+    round them, and the AMX and dot-product loops accumulate in different orders."""
+    case = make_case([300, 77], [290, 700], hq=4, hkv=2, d=64, dtype=torch.bfloat16, seed=28)
+    outs = {}
+    for name in build.load().bf16_products():
+        monkeypatch.setenv(cpu_kernel.BF16_PRODUCTS_ENV, name)
+        outs[name] = _run(case, {"causal": True}, grads=False)[0]
+    for a in outs:
+        for b in outs:
+            assert a == b or not torch.equal(outs[a], outs[b]), (a, b)
+    monkeypatch.delenv(cpu_kernel.BF16_PRODUCTS_ENV)
+    assert torch.equal(_run(case, {"causal": True}, grads=False)[0], outs[build.load().bf16_products()[0]])
+
+
+@pytest.mark.parametrize("value", ["avx2", "AMX", "amx,fp32"])
+def test_bad_bf16_products_name_the_variable(value, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.BF16_PRODUCTS_ENV, value)
+    case = make_case([5, 7], [4, 8], hq=4, hkv=2, d=16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"PACKATTN_CPU_BF16_PRODUCTS: expected one of .* got '{value}'"):
+        _run(case, {}, grads=False)
+
+
 @settings(BOUNDED, max_examples=30)
 @given(layouts())
 def test_random_layouts_backward_fp32(layout):
@@ -123,13 +171,25 @@ THREAD_LAYOUTS = {"many": [700, 3, 64, 0, 200, 129], "few": [300, 130]}
 def test_one_and_two_threads_give_the_same_bits(dtype, mask, layout):
     """Forward and backward: every output element has one writer and a fixed order of accumulation."""
     lens = THREAD_LAYOUTS[layout]
-    case = make_case(lens, lens, hq=4, hkv=2, d=32, dtype=DTYPES[dtype], seed=25, requires_grad=True)
+    _assert_same_bits_at_any_thread_count(
+        make_case(lens, lens, hq=4, hkv=2, d=32, dtype=DTYPES[dtype], seed=25, requires_grad=True), MASKS[mask]
+    )
+
+
+@pytest.mark.parametrize("layout", THREAD_LAYOUTS)
+def test_one_and_two_threads_give_the_same_bits_per_bf16_products(bf16_products, layout):
+    lens = THREAD_LAYOUTS[layout]
+    case = make_case(lens, lens, hq=4, hkv=2, d=72, dtype=torch.bfloat16, seed=29, requires_grad=True)
+    _assert_same_bits_at_any_thread_count(case, MASKS["causal"])
+
+
+def _assert_same_bits_at_any_thread_count(case, mask):
     before = torch.get_num_threads()
     try:
         results = []
         for threads in (1, 2, 1):
             torch.set_num_threads(threads)
-            results.append(_run(case, MASKS[mask], grads=True))
+            results.append(_run(case, mask, grads=True))
     finally:
         torch.set_num_threads(before)
     for a, b, c in zip(*results):
@@ -205,7 +265,7 @@ def _direct_args(**change):
     q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 6)
     args = {"q": q, "k": k, "v": v, "cu_q": torch.tensor([0, 3, 7]), "cu_k": torch.tensor([0, 4, 9])}
     args.update(dout=torch.randn(7, 4, 6), lse=torch.zeros(4, 7), delta=torch.zeros(4, 7))
-    args.update(scale=0.3, softcap=0.0, left=-1, right=-1)
+    args.update(scale=0.3, softcap=0.0, left=-1, right=-1, products="")
     args.update(change)
     return args
 
@@ -226,6 +286,7 @@ DIRECT_BAD = {
     "head_dims": ({"k": torch.randn(9, 2, 5)}, "one head_dim"),
     "window": ({"left": -2}, "window bounds"),
     "scale": ({"scale": float("inf")}, "scale"),
+    "products": ({"products": "avx512"}, "got 'avx512'"),
 }
 DIRECT_BAD_BACKWARD = {
     "short_lse": ({"lse": torch.zeros(4, 6)}, "lse of shape"),
@@ -241,8 +302,9 @@ def test_entry_points_check_their_own_inputs(bad):
     a = _direct_args(**change)
     module = build.load()
     fwd = (a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["scale"], a["softcap"], a["left"], a["right"], True)
+    fwd += (a["products"],)
     bwd = (a["q"], a["k"], a["v"], a["dout"], a["lse"], a["delta"], a["cu_q"], a["cu_k"])
-    bwd += (a["scale"], a["softcap"], a["left"], a["right"])
+    bwd += (a["scale"], a["softcap"], a["left"], a["right"], a["products"])
     if bad in DIRECT_BAD:
         with pytest.raises(RuntimeError, match=message):
             module.forward(*fwd)
@@ -254,9 +316,11 @@ def test_entry_points_run_on_valid_direct_calls():
     """The checks above refuse only what is wrong: the same direct call, unchanged, runs."""
     a = _direct_args()
     module = build.load()
-    out, lse = module.forward(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1, True)
+    out, lse = module.forward(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1, True, "")
     assert out.shape == (7, 4, 6) and lse.shape == (4, 7)
-    grads = module.backward(a["q"], a["k"], a["v"], a["dout"], lse, a["delta"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1)
+    grads = module.backward(
+        a["q"], a["k"], a["v"], a["dout"], lse, a["delta"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1, ""
+    )
     assert [g.shape for g in grads] == [a["q"].shape, a["k"].shape, a["v"].shape]
 
 

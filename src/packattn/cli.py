@@ -32,7 +32,8 @@ def _build(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"cpu_kernel: {exc}")
         return 1
-    units = "bf16 on AMX, fp16 as fp32 tiles" if module.matrix_units() else "bf16 and fp16 as fp32 tiles"
+    products = module.bf16_products()
+    units = f"bf16 products {products[0]}" + (f" (also {', '.join(products[1:])})" if products[1:] else "")
     print(f"cpu_kernel: ready in {time.perf_counter() - start:.1f} s ({build.capability()}; {units})")
     print(f"  cached in {build.build_dir()}")
     return 0

@@ -8,6 +8,11 @@ in one pass per (sequence, KV head) when there are at least 4 of them per thread
 per key block, dQ per query block) that split a sequence between threads; either way every gradient element
 has one writer: the same bits at any thread count.
 
+Products accumulate in fp32. bf16 inputs are multiplied as bf16 tiles on AMX where the CPU has it, on the
+kernel's own AVX512_BF16 dot-product loop on AMD CPUs with that instruction (Zen 4 and later), else as fp32
+tiles; fp16 always as fp32 tiles (AVX512_FP16 accumulates in fp16). ``$PACKATTN_CPU_BF16_PRODUCTS``
+(``amx``, ``avx512_bf16`` or ``fp32``) picks one of those that run here instead (:func:`bf16_products`).
+
 Supports fp32, bf16 and fp16 with every mask option (causal, windows, softcap), GQA/MQA, ``Dv != D``,
 empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths, and automatic dispatch
 leaves decode batches to ``cpu`` (:func:`declines`). Compiled on first use (see :mod:`.build`, or
@@ -16,6 +21,8 @@ moves on to the ``cpu`` backend.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -43,9 +50,25 @@ def _mask_args(inp: AttentionInputs) -> tuple[float, float, int, int]:
     return m.scale, m.softcap, m.left, m.right
 
 
+BF16_PRODUCTS_ENV = "PACKATTN_CPU_BF16_PRODUCTS"
+
+
+def bf16_products() -> str:
+    """How the kernel multiplies bf16 inputs in this call: ``$PACKATTN_CPU_BF16_PRODUCTS`` when set, else
+    ``""`` (the CPU's default, the first of ``build.load().bf16_products()``)."""
+    choice = os.environ.get(BF16_PRODUCTS_ENV, "").strip()
+    if choice:
+        runs_here = build.load().bf16_products()
+        if choice not in runs_here:
+            raise ValueError(f"{BF16_PRODUCTS_ENV}: expected one of {runs_here} on this CPU, got {choice!r}")
+    return choice
+
+
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Out ``(Tq, Hq, Dv)`` and, when ``inp.return_lse``, the LSE ``(Hq, Tq)`` float32 (else None)."""
-    out, lse = build.load().forward(inp.q, inp.k, inp.v, *_offsets(inp), *_mask_args(inp), inp.return_lse)
+    module = build.load()
+    args = (*_offsets(inp), *_mask_args(inp), inp.return_lse, bf16_products())
+    out, lse = module.forward(inp.q, inp.k, inp.v, *args)
     return out, (lse if inp.return_lse else None)
 
 
@@ -59,7 +82,7 @@ def backward(
     """Gradients of ``q, k, v`` in their dtype, through ``out`` and (when given) the LSE."""
     delta = reference.delta(out, dout, dlse).contiguous()  # (Hq, Tq) float32: fp64 never gets here
     dq, dk, dv = build.load().backward(
-        inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta, *_offsets(inp), *_mask_args(inp)
+        inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta, *_offsets(inp), *_mask_args(inp), bf16_products()
     )
     return dq.to(inp.q.dtype), dk.to(inp.k.dtype), dv.to(inp.v.dtype)
 
@@ -74,6 +97,10 @@ class CpuKernel(Backend):
         except RuntimeError as exc:
             return str(exc)
         return None
+
+    def details(self) -> str | None:
+        products = build.load().bf16_products()
+        return f"built for {build.capability()}; bf16 products: {products[0]} (default), " + ", ".join(products[1:])
 
     def declines(self, inp: AttentionInputs) -> str | None:
         """Decode batches (every sequence's query rows x query heads per KV head <= 16) go to the ``cpu``

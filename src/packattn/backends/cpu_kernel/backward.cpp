@@ -13,9 +13,10 @@ using namespace detail;
 
 constexpr int64_t kBwdRows = 64;  // target G x block_q rows
 
-template <typename E>  // tile element: float, or BFloat16 on the matrix units
+template <typename E>  // tile element: float, or BFloat16 (on AMX or the dot-product kernel)
 struct BwdWork {
   std::vector<at::Tensor> keep;
+  Bf16Products how;
   float *lse, *delta, *s, *ds, *acc, *acc2, *dq = nullptr;
   E *half, *st, *tmp, *scratch;
   TileCache<E> queries;    // per query block: Q and dO as A operands, then (bf16) as packed B operands
@@ -31,6 +32,7 @@ struct BwdArgs {
   const float *lse, *delta;
   float *dq, *dk, *dv;
   int64_t tq, hq, block_q;
+  Bf16Products how;  // of bf16 inputs
 };
 
 // The query side of rows [i0, i0 + bq) (x G heads): the cached slot holds Q [mp, dp] and dO [mp, dvp] as A
@@ -91,8 +93,8 @@ void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, i
                int64_t bk, const QuerySide<E>& qs, BOperand kt, BOperand vt) {
   const int64_t rows = sh.g * bq, mp = pad16(rows), kp = pad16(bk);
   const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
-  mm(mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
-  mm(mp, kp, dvp, qs.dout, dvp, vt, w.ds, kp, false);
+  mm(w.how, mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
+  mm(w.how, mp, kp, dvp, qs.dout, dvp, vt, w.ds, kp, false);
   const bool full = tile_fully_visible(mask, s, i0, i0 + bq, j0, j0 + bk);
   const Scores score(mask);
   const Vec scale(mask.scale), one(1.f);
@@ -138,11 +140,11 @@ void key_tile_grads(BwdWork<E>& w, const BwdArgs<T>& a, int64_t b, int64_t h, in
     const QuerySide<E> qs = query_side(w, a, s, b, block, h);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
     transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp);  // P^T
-    mm(kp, dvp, mp, w.st, mp, qs.dout_b, dv, dvp, true);
+    mm(w.how, kp, dvp, mp, w.st, mp, qs.dout_b, dv, dvp, true);
     const E* ds = as_tile(w.ds, mp * kp, w.half);
     transpose(ds, mp, kp, kp, w.st, mp);  // dS^T
-    mm(kp, dp, mp, w.st, mp, qs.q_b, dk, dp, true);
-    if (dq) mm(mp, dp, kp, ds, kp, kr, dq + block * mpmax * dp, dp, true);
+    mm(w.how, kp, dp, mp, w.st, mp, qs.q_b, dk, dp, true);
+    if (dq) mm(w.how, mp, dp, kp, ds, kp, kr, dq + block * mpmax * dp, dp, true);
   }
   const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + h;
   store_rows(dk, bk, sh.d, dp, a.dk + row0 * sh.d, hkv * sh.d);
@@ -191,7 +193,7 @@ void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
     const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0, kp = pad16(bk);
     const auto [kt, vt, kr] = key_side(w, a, s, it.b, tile, it.h, true);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
-    mm(mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kr, dq, dp, true);
+    mm(w.how, mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kr, dq, dp, true);
   }
   store_dq<E>(a, s, it.h, i0, bq, dq);
 }
@@ -200,10 +202,11 @@ template <typename E, typename T>
 void run_backward(const BwdArgs<T>& a) {
   const Shape& sh = a.sh;
   const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
-  const bool amx = !std::is_same_v<E, float>;
+  const bool bf16 = !std::is_same_v<E, float>, amx = bf16 && a.how == Bf16Products::kAmx;
   const int64_t key_tiles = max_blocks(a.seqs, kKeyTile, true), query_blocks = max_blocks(a.seqs, a.block_q, false);
   auto make = [&] {
     BwdWork<E> w;
+    w.how = a.how;
     w.lse = buffer(w.keep, mp);
     w.delta = buffer(w.keep, mp);
     w.s = buffer(w.keep, mp * kKeyTile);
@@ -212,9 +215,9 @@ void run_backward(const BwdArgs<T>& a) {
     w.acc2 = buffer(w.keep, kKeyTile * dvp);
     w.scratch = buffer<E>(w.keep, kKeyTile * std::max(dp, dvp));
     w.st = buffer<E>(w.keep, mp * kKeyTile);
-    w.tmp = amx ? buffer<E>(w.keep, kKeyTile * std::max(dp, dvp)) : nullptr;
-    w.half = amx ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
-    w.queries.init(w.keep, query_blocks, mp * (dp + dvp) * (amx ? 2 : 1));
+    w.tmp = bf16 ? buffer<E>(w.keep, kKeyTile * std::max(dp, dvp)) : nullptr;
+    w.half = bf16 ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
+    w.queries.init(w.keep, query_blocks, mp * (dp + dvp) * (bf16 ? 2 : 1));
     w.kt.init(w.keep, key_tiles, kKeyTile * dp);
     w.vt.init(w.keep, key_tiles, kKeyTile * dvp);
     w.k.init(w.keep, key_tiles, kKeyTile * dp);
@@ -247,9 +250,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                                                                   const at::Tensor& lse, const at::Tensor& delta,
                                                                   const at::Tensor& cu_q, const at::Tensor& cu_k,
                                                                   double scale, double softcap, int64_t left,
-                                                                  int64_t right) {
+                                                                  int64_t right, const std::string& bf16_products) {
   constexpr const char* kWhere = "packattn cpu_kernel backward";
   check_inputs(kWhere, q, k, v, cu_q, cu_k, scale, softcap, left, right);
+  const Bf16Products how = chosen_bf16_products(kWhere, bf16_products);
   check_grad_inputs(kWhere, q, v, dout, lse, delta);
   const int64_t tq = q.size(0), hq = q.size(1), tk = k.size(0), hkv = k.size(1);
   const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
@@ -273,9 +277,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                               dv.data_ptr<float>(),
                               tq,
                               hq,
-                              block_q};
+                              block_q,
+                              how};
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (use_amx(q.scalar_type())) return run_backward<at::BFloat16>(a);
+      if (how != Bf16Products::kFp32) return run_backward<at::BFloat16>(a);
     }
     run_backward<float>(a);
   });

@@ -9,7 +9,7 @@ using namespace detail;
 
 constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward item
 
-template <typename E>  // tile element: float, or BFloat16 on the matrix units
+template <typename E>  // tile element: float, or BFloat16 (on AMX or the dot-product kernel)
 struct FwdWork {
   std::vector<at::Tensor> keep;
   float *s, *acc, *m, *l;
@@ -26,6 +26,7 @@ struct FwdArgs {
   T* out;
   float* lse;  // nullptr: no LSE
   int64_t tq, hq, block_q;
+  Bf16Products how;  // of bf16 inputs
 };
 
 // Online softmax of one row of raw scores over its visible columns [c0, c1): writes exp(score - m_new) there
@@ -86,7 +87,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
     const E* kt = w.kt.get(it.b, it.h, tile, [&](E* slot) {
       prepare_keys(a.k, s.k0 + j0, bk, it.h, d, dp, true, slot, w.tmp, w.scratch);
     });
-    mm(mp, n, dp, w.q, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
+    mm(a.how, mp, n, dp, w.q, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j0 + bk);
     E* p = std::is_same_v<E, float> ? reinterpret_cast<E*>(w.s) : w.p;  // P in place, or as bf16 beside it
     for (int64_t r = 0; r < rows; ++r) {
@@ -100,7 +101,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
     const E* vb = w.v.get(it.b, it.h, tile, [&](E* slot) {
       prepare_keys(a.v, s.k0 + j0, bk, it.h, dv, ldo, false, slot, w.tmp, w.scratch);
     });
-    mm(mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
+    mm(a.how, mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
   }
   // A finite max and sum: the softmax is defined. Else a row that sees keys met a NaN or +inf score, or only
   // -inf ones (from infinite inputs): NaN out and LSE; a row that sees no key: 0 and -inf.
@@ -124,7 +125,7 @@ template <typename E, typename T>
 void run_forward(const FwdArgs<T>& a) {
   const Shape& sh = a.sh;
   const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
-  const bool amx = !std::is_same_v<E, float>;
+  const bool bf16 = !std::is_same_v<E, float>;
   const int64_t tiles = max_blocks(a.seqs, kKeyTile, true);
   auto make = [&] {
     FwdWork<E> w;
@@ -134,22 +135,26 @@ void run_forward(const FwdArgs<T>& a) {
     w.l = buffer(w.keep, mp);
     w.q = buffer<E>(w.keep, mp * dp);
     w.scratch = buffer<E>(w.keep, kKeyTile * std::max(dp, ldo));
-    w.tmp = amx ? buffer<E>(w.keep, kKeyTile * std::max(dp, ldo)) : nullptr;
-    w.p = amx ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
+    w.tmp = bf16 ? buffer<E>(w.keep, kKeyTile * std::max(dp, ldo)) : nullptr;
+    w.p = bf16 ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
     w.kt.init(w.keep, tiles, kKeyTile * dp);
     w.v.init(w.keep, tiles, kKeyTile * ldo);
     return w;
   };
   const Plan plan = make_plan(a.seqs, a.mask, sh, a.block_q, false);
-  run_plan(plan, amx, make, [&](const Item& it, FwdWork<E>& w) { forward_item(it, w, a); });
+  run_plan(plan, bf16 && a.how == Bf16Products::kAmx, make,
+           [&](const Item& it, FwdWork<E>& w) { forward_item(it, w, a); });
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
-                                                     double softcap, int64_t left, int64_t right, bool with_lse) {
-  check_inputs("packattn cpu_kernel forward", q, k, v, cu_q, cu_k, scale, softcap, left, right);
+                                                     double softcap, int64_t left, int64_t right, bool with_lse,
+                                                     const std::string& bf16_products) {
+  constexpr const char* kWhere = "packattn cpu_kernel forward";
+  check_inputs(kWhere, q, k, v, cu_q, cu_k, scale, softcap, left, right);
+  const Bf16Products how = chosen_bf16_products(kWhere, bf16_products);
   const int64_t tq = q.size(0), hq = q.size(1), hkv = k.size(1);
   const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
   const Mask mask{(float)scale, (float)softcap, left, right};
@@ -168,9 +173,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                               with_lse ? lse.data_ptr<float>() : nullptr,
                               tq,
                               hq,
-                              block_q};
+                              block_q,
+                              how};
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (use_amx(q.scalar_type())) return run_forward<at::BFloat16>(a);
+      if (how != Bf16Products::kFp32) return run_forward<at::BFloat16>(a);
     }
     run_forward<float>(a);
   });

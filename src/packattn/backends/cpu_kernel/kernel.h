@@ -8,8 +8,9 @@
 // every thread busy; a thread's items come in (sequence, head) order, and the tiles it prepares (K^T, V,
 // converted and packed) are kept for the next items of the same head (TileCache). Within an item, tiles of
 // keys that the mask hides entirely are never visited; scores live in one (rows x keys) tile per thread.
-// Products run on ATen's batch-reduce GEMM: bf16 tiles packed to VNNI on CPUs with matrix units (AMX), fp32
-// tiles everywhere else (fp16, and bf16 without AMX, are converted). Accumulation is fp32.
+// Products run on ATen's batch-reduce GEMM, fp32 tiles or bf16 tiles packed to VNNI on CPUs with matrix units
+// (AMX); without AMX, bf16 tiles run on an own kernel of AVX512_BF16 dot products where that beats fp32, and
+// bf16 is converted to fp32 tiles elsewhere, like fp16 everywhere. Accumulation is fp32.
 // Every output element is written by exactly one item, in an order fixed by the item alone: results are
 // the same bits at any thread count.
 //
@@ -17,6 +18,7 @@
 //   mask.h      sequences, heads and the mask: which keys each query row sees
 //   plan.h      work items, their costs and their split between threads
 //   tiles.h     tiles of the inputs, prepared B operands and their cache, the matrix products
+//   bf16_dot.h  the VNNI packing of bf16 B operands and the AVX512_BF16 product kernel
 //   vec_math.h  fp32 vector math; the code that depends on the CPU capability, behind one switch
 //   checks.h    the TORCH_CHECKs of the entry points
 #pragma once
@@ -25,7 +27,9 @@
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "checks.h"
 #include "mask.h"
@@ -49,12 +53,27 @@ namespace detail {
 // differently, and at |score| ~ 1e6 one ulp is a factor of about 1.06 in the probability.
 constexpr int64_t kKeyTile = 256;
 
+constexpr const char* kBf16ProductNames[] = {"fp32", "avx512_bf16", "amx"};  // by Bf16Products
+
+// The products of bf16 inputs that a call asks for by name ("" for the default), checked to run here.
+inline Bf16Products chosen_bf16_products(const char* where, const std::string& name) {
+  if (name.empty()) return default_bf16_products();
+  for (int64_t i = 0; i < 3; ++i) {
+    if (name != kBf16ProductNames[i]) continue;
+    TORCH_CHECK(available(Bf16Products(i)), where, ": bf16 products '", name, "' do not run on this CPU and build");
+    return Bf16Products(i);
+  }
+  TORCH_CHECK(false, where, ": expected bf16 products fp32, avx512_bf16 or amx, got '", name, "'");
+}
+
 }  // namespace detail
 
 // Out (Tq, Hq, Dv) in q's dtype and, with with_lse, the LSE (Hq, Tq) in float32 (else an undefined tensor).
+// bf16_products: how bf16 inputs are multiplied ("" the default; see bf16_products()).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
-                                                     double softcap, int64_t left, int64_t right, bool with_lse);
+                                                     double softcap, int64_t left, int64_t right, bool with_lse,
+                                                     const std::string& bf16_products);
 
 // dQ, dK, dV in float32, from dout, the forward's LSE and delta = rowsum(dout * out) - dLSE, both (Hq, Tq).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k,
@@ -62,9 +81,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                                                                   const at::Tensor& lse, const at::Tensor& delta,
                                                                   const at::Tensor& cu_q, const at::Tensor& cu_k,
                                                                   double scale, double softcap, int64_t left,
-                                                                  int64_t right);
+                                                                  int64_t right, const std::string& bf16_products);
 
-// Whether bf16 tiles run on the CPU's matrix units (AMX).
-inline bool matrix_units() { return detail::use_amx(at::kBFloat16); }
+// The ways of multiplying bf16 inputs that run on this CPU and build, the default first.
+inline std::vector<std::string> bf16_products() {
+  using detail::Bf16Products;
+  const Bf16Products first = detail::default_bf16_products();
+  std::vector<std::string> names{detail::kBf16ProductNames[int64_t(first)]};
+  for (const Bf16Products p : {Bf16Products::kAmx, Bf16Products::kDot, Bf16Products::kFp32}) {
+    if (p != first && detail::available(p)) names.push_back(detail::kBf16ProductNames[int64_t(p)]);
+  }
+  return names;
+}
 
 }  // namespace packattn_kernel

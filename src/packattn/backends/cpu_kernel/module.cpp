@@ -1,5 +1,5 @@
-// Python bindings of packattn's CPU kernel (kernel.h): the forward and backward entry points, whether bf16
-// runs on matrix units, and one test hook.
+// Python bindings of packattn's CPU kernel (kernel.h): the forward and backward entry points, how bf16 can be
+// multiplied here, and one test hook.
 #include <torch/extension.h>
 
 #include <cstddef>
@@ -29,7 +29,8 @@ size_t test_parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &packattn_kernel::attention_forward, "packed varlen attention forward -> (out, lse)");
   m.def("backward", &packattn_kernel::attention_backward, "packed varlen attention backward -> (dq, dk, dv), fp32");
-  m.def("matrix_units", &packattn_kernel::matrix_units, "whether bf16 tiles run on the CPU's matrix units (AMX)");
+  m.def("bf16_products", &packattn_kernel::bf16_products,
+        "how bf16 inputs can be multiplied on this CPU and build (fp32, avx512_bf16, amx), the default first");
   m.def("_test_parallel_threads", &test_parallel_threads,
         "test hook: how many threads the kernel's parallel loops run on (at most torch.get_num_threads())");
 }

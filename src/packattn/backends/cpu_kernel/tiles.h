@@ -1,7 +1,8 @@
 // How operands reach the matrix products: rows of the (tokens, heads, dim) tensors loaded, converted,
 // transposed and padded into tiles, B operands prepared once (packed to VNNI for bf16) and kept per
-// (sequence, KV head) in a TileCache, and the products themselves on ATen's batch-reduce GEMM
-// (cpublas::brgemm: oneDNN, else MKL), which picks its instructions at run time.
+// (sequence, KV head) in a TileCache, and the products themselves: on ATen's batch-reduce GEMM
+// (cpublas::brgemm: oneDNN, else MKL), which picks its instructions at run time, or for bf16 tiles without
+// matrix units on the dot-product kernel of bf16_dot.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "mask.h"
 
 namespace packattn_kernel::detail {
@@ -112,14 +114,30 @@ void zero_outside(E* row, int64_t c0, int64_t c1, int64_t bk) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Products: row-major C[M, N] (+)= A[M, K] @ B[K, N] on ATen's batch-reduce GEMM, with A and B fp32 tiles, or
-// bf16 tiles on the matrix units (AMX). B is prepared once and reused: fp32 as it is; bf16 packed to VNNI
-// in blocks of up to 64 columns (what oneDNN packs; K even, N a multiple of 16). Tile sizes are multiples
-// of 16, so few distinct shapes get generated and cached.
+// Products: row-major C[M, N] (+)= A[M, K] @ B[K, N] with fp32 accumulation. fp32 tiles, and bf16 tiles on
+// the matrix units (AMX), run on ATen's batch-reduce GEMM; bf16 tiles without them on the dot-product kernel
+// of bf16_dot.h. B is prepared once and reused: fp32 as it is; bf16 packed to VNNI in blocks of up to 64
+// columns (K even, N a multiple of 16). Tile sizes are multiples of 16, so few distinct shapes get generated
+// and cached.
 
-// Whether tiles of this dtype run in bf16 on the matrix units (else as fp32 tiles: fp16, and bf16 without
-// AMX, are converted, never a plain low-precision matmul).
-inline bool use_amx(at::ScalarType dtype) { return dtype == at::kBFloat16 && at::native::cpublas::could_pack(dtype); }
+// How bf16 inputs are multiplied. fp16 always goes through fp32 tiles: AVX512_FP16 accumulates in fp16.
+enum class Bf16Products : int64_t {
+  kFp32 = 0,  // converted to fp32 tiles (never a plain low-precision matmul)
+  kDot = 1,   // bf16 tiles on AVX512_BF16's vdpbf16ps
+  kAmx = 2,   // bf16 tiles on the matrix units, through ATen's brgemm
+};
+
+inline bool available(Bf16Products p) {
+  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  static const bool dot = dot_kernel_runs();
+  return p == Bf16Products::kFp32 || (p == Bf16Products::kDot && dot) || (p == Bf16Products::kAmx && amx);
+}
+
+// What automatic dispatch uses: AMX, else the dot-product kernel where it beats fp32 FMAs, else fp32 tiles.
+inline Bf16Products default_bf16_products() {
+  if (available(Bf16Products::kAmx)) return Bf16Products::kAmx;
+  return available(Bf16Products::kDot) && dot_beats_fma() ? Bf16Products::kDot : Bf16Products::kFp32;
+}
 
 // Width of a tile dimension: bf16 tiles pad every dimension to 16 (VNNI), fp32 tiles need none.
 template <typename E>
@@ -139,8 +157,6 @@ struct BOperand {
   int64_t ld;  // fp32: the row stride; packed bf16: the K the blocks were packed with (each K x block width)
 };
 
-constexpr int64_t kPackN = 64;
-
 // A B operand [k, n] (row stride ld) that prepare_b left at p.
 inline BOperand b_operand(const float* p, int64_t, int64_t ld) { return {p, ld}; }
 inline BOperand b_operand(const at::BFloat16* p, int64_t k, int64_t) { return {p, k}; }
@@ -148,23 +164,21 @@ inline BOperand b_operand(const at::BFloat16* p, int64_t k, int64_t) { return {p
 inline BOperand prepare_b(const float* b, int64_t, int64_t, int64_t ld, float*) { return {b, ld}; }
 
 inline BOperand prepare_b(const at::BFloat16* b, int64_t k, int64_t n, int64_t ld, at::BFloat16* packed) {
-  for (int64_t n0 = 0; n0 < n; n0 += kPackN) {
-    const int64_t nc = std::min(kPackN, n - n0);
-    at::native::cpublas::pack(k, nc, ld, nc, at::kBFloat16, at::kBFloat16, b + n0, packed + n0 * k);
-  }
+  vnni_pack(b, k, n, ld, packed);  // the layout ATen's pack gives oneDNN, so one packing serves both kernels
   return {packed, k};
 }
 
 // The first k rows of a prepared B may be used (k even for bf16), and the first n columns (a multiple of
-// kPackN, or all of them, for bf16).
-inline void mm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, BOperand b, float* c, int64_t ldc,
-               bool add) {
+// kPackN, or all of them, for bf16). `how` picks the kernel of bf16 tiles (kDot or kAmx).
+inline void mm(Bf16Products, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, BOperand b, float* c,
+               int64_t ldc, bool add) {
   at::native::cpublas::brgemm(m, n, k, lda, b.ld, ldc, add, a, static_cast<const float*>(b.data), c, false);
 }
 
-inline void mm(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda, BOperand b, float* c, int64_t ldc,
-               bool add) {
+inline void mm(Bf16Products how, int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda, BOperand b,
+               float* c, int64_t ldc, bool add) {
   const auto* packed = static_cast<const at::BFloat16*>(b.data);
+  if (how == Bf16Products::kDot) return dot_mm(m, n, k, a, lda, packed, b.ld, c, ldc, add);
   for (int64_t n0 = 0; n0 < n; n0 += kPackN) {
     const int64_t nc = std::min(kPackN, n - n0);
     at::native::cpublas::brgemm(m, nc, k, lda, nc, ldc, add, a, packed + n0 * b.ld, c + n0, true);
