@@ -99,16 +99,30 @@ def test_info_explains_unavailable_backends(fakes_first):
     assert list(rows) == [b.name for b in fakes_first]
 
 
+def _assert_info_output(out: str, names: list[str]) -> list[tuple[str, str]]:
+    """Check ``packattn info``'s table against ``packattn.info()``: one row per backend with its state,
+    followed by an indented line of its details when it has any."""
+    lines = out.splitlines()
+    assert lines[0].startswith(f"packattn on torch {torch.__version__}")
+    rows = {r.name: r for r in packattn.info()}
+    states: list[tuple[str, str]] = []
+    body = iter(lines[1:])
+    for line in body:
+        assert line.startswith("  ") and not line.startswith("   "), line
+        name, state = line.split(maxsplit=1)
+        row = rows[name]
+        assert state == ("available" if row.available else f"unavailable: {row.reason}")
+        if row.details:
+            assert next(body).strip() == row.details
+        states.append((name, state))
+    assert [name for name, _ in states] == names
+    return states
+
+
 def test_cli_info_prints_every_backend(fakes_first, capsys):
     assert cli.main(["info"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"packattn on torch {torch.__version__}")
-    states = [line.split(maxsplit=1) for line in lines[1:]]
-    assert [name for name, _ in states] == [b.name for b in fakes_first]
+    states = _assert_info_output(capsys.readouterr().out, [b.name for b in fakes_first])
     assert states[0][1] == "unavailable: torch_npu is not installed"
-    rows = {r.name: r for r in packattn.info()}
-    for name, state in states:
-        assert state == ("available" if rows[name].available else f"unavailable: {rows[name].reason}")
 
 
 def test_python_m_packattn_info():
@@ -116,12 +130,7 @@ def test_python_m_packattn_info():
         [sys.executable, "-m", "packattn", "info"], capture_output=True, text=True, timeout=120, check=False
     )
     assert res.returncode == 0, res.stderr
-    lines = res.stdout.splitlines()
-    assert lines[0].startswith("packattn on torch ")
-    states = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines[1:]}
-    assert list(states) == [b.name for b in ALL]
-    for row in packattn.info():
-        assert states[row.name] == ("available" if row.available else f"unavailable: {row.reason}")
+    _assert_info_output(res.stdout, [b.name for b in ALL])
 
 
 # default dispatch --------------------------------------------------------------------------------------
