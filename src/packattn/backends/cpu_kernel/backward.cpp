@@ -260,7 +260,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const Mask mask{(float)scale, (float)softcap, left, right};
   const auto seqs = sequences(cu_q, cu_k);
   const auto f32 = q.options().dtype(at::kFloat);
-  auto dq = at::empty({tq, hq, sh.d}, f32), dk = at::empty({tk, hkv, sh.d}, f32), dv = at::empty({tk, hkv, sh.dv}, f32);
+  auto dq = empty_output({tq, hq, sh.d}, f32), dk = empty_output({tk, hkv, sh.d}, f32),
+       dv = empty_output({tk, hkv, sh.dv}, f32);
   const int64_t block_q = std::max<int64_t>(1, kBwdRows / sh.g);
   PACKATTN_DISPATCH(q.scalar_type(), "packattn_backward", [&] {
     const BwdArgs<scalar_t> a{seqs,

@@ -159,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
   const Mask mask{(float)scale, (float)softcap, left, right};
   const auto seqs = sequences(cu_q, cu_k);
-  auto out = at::empty({tq, hq, sh.dv}, q.options());
+  auto out = empty_output({tq, hq, sh.dv}, q.options());
   auto lse = with_lse ? at::empty({hq, tq}, q.options().dtype(at::kFloat)) : at::Tensor();
   const int64_t block_q = std::max<int64_t>(1, kFwdRows / sh.g);
   PACKATTN_DISPATCH(q.scalar_type(), "packattn_forward", [&] {
