@@ -103,7 +103,9 @@ def _digest(value: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def collective_check(ring: Ring, where: str, device: torch.device, validate: Callable[[], tuple[dict, T]]) -> T:
+def collective_check(
+    ring: Ring, where: str, device: torch.device, validate: Callable[[], tuple[dict, T]], group_name: str = "group"
+) -> T:
     """Validate this rank's call, then settle with every rank of the group, before any data moves, that all
     ranks may go on: one all-gather of a status flag and one hash per item that ranks must agree on.
 
@@ -111,8 +113,9 @@ def collective_check(ring: Ring, where: str, device: torch.device, validate: Cal
     agree on (plan, options, head counts, dims, dtype) and what the caller needs next. If any rank failed,
     every rank raises: the failing ranks their own error, the others a ValueError naming each failing rank
     and its message (one more exchange, only then). If ranks disagree, every rank raises a ValueError naming
-    what differs. Otherwise ``validate``'s result is returned. So one rank's bad input never leaves the
-    others waiting in a collective it will not join (a hang until the process group's timeout on NCCL).
+    what differs. Otherwise ``validate``'s result is returned (``group_name`` names the group in messages).
+    So one rank's bad input never leaves the others waiting in a collective it will not join (a hang until
+    the process group's timeout on NCCL).
     """
     error: TypeError | ValueError | None = None
     try:
@@ -137,7 +140,7 @@ def collective_check(ring: Ring, where: str, device: torch.device, validate: Cal
         if error is not None:
             raise error
         raise ValueError(
-            f"{where}: rank {', '.join(map(str, failed))} of the group rejected its input, so every rank stops "
+            f"{where}: rank {', '.join(map(str, failed))} of the {group_name} rejected its input, so every rank stops "
             "before exchanging data: " + " | ".join(f"rank {r}: {messages[r]}" for r in failed)
         )
     differ = []
@@ -161,6 +164,7 @@ def plan_items(plan: ShardPlan) -> dict[str, object]:
         "plan.balance": plan.balance,
         "plan.global_cu_seqlens_q": plan.global_cu_seqlens_q,
         "plan.global_cu_seqlens_k": plan.global_cu_seqlens_k,
+        "plan.ulysses_degree": plan.ulysses_degree,
     }
 
 
@@ -214,32 +218,17 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) ->
     return _AllToAll.apply(x, send, recv, group)
 
 
-def rank_major_rows(plan: ShardPlan, side: str) -> torch.Tensor:
-    """Global row of each row of ``cat(local tensor of rank 0, of rank 1, ...)``."""
+def gather_order(plan: ShardPlan, side: str, stride: int) -> torch.Tensor:
+    """Index that puts the rows of an all-gather of padded shards (rank ``p``'s from ``p * stride``) back in
+    global order."""
     shards = plan.shards(side)
-    pieces = [p for s in shards for p in s.pieces]
-    return ranges_index([p.row for p in pieces], [p.length for p in pieces])
-
-
-def gather_order(plan: ShardPlan, side: str, stride: int | None = None) -> torch.Tensor:
-    """Index that puts rank-major rows back in global order.
-
-    With ``stride``, rank ``p``'s rows start at ``p * stride`` (an all-gather of padded shards); without,
-    they follow each other (an all-to-all of exact sizes).
-    """
-    shards = plan.shards(side)
-    if stride is None:
-        starts = [0]
-        for s in shards[:-1]:
-            starts.append(starts[-1] + s.total)
-    else:
-        starts = [p * stride for p in range(len(shards))]
     src = ranges_index(
-        [starts[r] + p.local for r, s in enumerate(shards) for p in s.pieces],
-        [p.length for s in shards for p in s.pieces],
+        [p * stride + piece.local for p, s in enumerate(shards) for piece in s.pieces],
+        [piece.length for s in shards for piece in s.pieces],
     )
+    pieces = [piece for s in shards for piece in s.pieces]
     order = torch.empty_like(src)
-    order[rank_major_rows(plan, side)] = src
+    order[ranges_index([p.row for p in pieces], [p.length for p in pieces])] = src
     return order
 
 

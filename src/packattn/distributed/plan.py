@@ -80,25 +80,41 @@ def _chunks_of(rank: int, world_size: int, balance: str) -> tuple[int, ...]:
     return (rank, 2 * world_size - 1 - rank)
 
 
-def _shard(cu: tuple[int, ...], world_size: int, rank: int, balance: str) -> Shard:
-    parts = world_size if balance == "contiguous" else 2 * world_size
-    pieces: list[Piece] = []
-    local = [0]
-    for b in range(len(cu) - 1):
-        length = cu[b + 1] - cu[b]
-        here = 0
-        for c in _chunks_of(rank, world_size, balance):
-            s, e = chunk_bounds(length, parts, c)
+Span = tuple[int, int, int]  # (sequence, first position, length)
+
+
+def _cut(spans: list[Span], parts: int, index: int, balance: str) -> list[Span]:
+    """Part ``index`` of ``parts`` of every span, by the balance's chunks (two per part under zigzag)."""
+    chunks = parts if balance == "contiguous" else 2 * parts
+    out: list[Span] = []
+    for seq, first, length in spans:
+        for c in _chunks_of(index, parts, balance):
+            s, e = chunk_bounds(length, chunks, c)
             if e == s:
                 continue
-            prev = pieces[-1] if pieces else None
-            if prev is not None and prev.seq == b and prev.start + prev.length == s:
+            if out and out[-1][0] == seq and out[-1][1] + out[-1][2] == first + s:
                 # Chunks W-1 and W of the zigzag split are adjacent: keep them as one run.
-                pieces[-1] = prev._replace(length=prev.length + e - s)
+                out[-1] = (seq, out[-1][1], out[-1][2] + e - s)
             else:
-                pieces.append(Piece(b, s, e - s, local[-1] + here, cu[b] + s))
-            here += e - s
-        local.append(local[-1] + here)
+                out.append((seq, first + s, e - s))
+    return out
+
+
+def _shard(cu: tuple[int, ...], world_size: int, rank: int, balance: str, ulysses_degree: int) -> Shard:
+    """Rank ``rank`` = ``ring_rank * ulysses_degree + member``: part ``member`` of ring part ``ring_rank``."""
+    ring_rank, member = divmod(rank, ulysses_degree)
+    spans = [(b, 0, cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+    spans = _cut(_cut(spans, world_size // ulysses_degree, ring_rank, balance), ulysses_degree, member, balance)
+    pieces: list[Piece] = []
+    counts = [0] * (len(cu) - 1)
+    held = 0
+    for seq, first, length in spans:
+        pieces.append(Piece(seq, first, length, held, cu[seq] + first))
+        counts[seq] += length
+        held += length
+    local = [0]
+    for n in counts:
+        local.append(local[-1] + n)
     return Shard(tuple(pieces), tuple(local))
 
 
@@ -146,6 +162,11 @@ class ShardPlan:
     :attr:`cu_seqlens_q_host` / :attr:`cu_seqlens_k_host` describe that local batch. Mask semantics stay
     those of the global batch: positions are global positions inside each sequence.
 
+    On a 2-D mesh (:func:`usp_varlen_attention`, ``ulysses_degree = U > 1``), the batch is first cut as
+    above into ``R = world_size / U`` ring parts, and each ring part's runs are cut the same way again into
+    ``U`` parts: rank ``r * U + u`` holds part ``u`` of ring part ``r``. With ``U = 1`` that is the plan
+    above; with ``U = world_size`` (one ring part: the whole batch) it is again the plan above.
+
     Example (sequences of 8 and 3 tokens on 2 ranks; rank 0's rows):
         >>> plan = ShardPlan.build([0, 8, 11], [0, 8, 11], world_size=2, rank=0)
         >>> plan.shard_q(torch.arange(11)).tolist(), plan.cu_seqlens_q_host
@@ -162,6 +183,7 @@ class ShardPlan:
     global_cu_seqlens_k: tuple[int, ...]
     shards_q: tuple[Shard, ...] = field(repr=False)  # one per rank
     shards_k: tuple[Shard, ...] = field(repr=False)
+    ulysses_degree: int = 1
     cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @staticmethod
@@ -172,12 +194,15 @@ class ShardPlan:
         world_size: int,
         rank: int,
         balance: Balance = "zigzag",
+        ulysses_degree: int = 1,
     ) -> ShardPlan:
         """Plan the rows of rank ``rank`` out of ``world_size`` for the global batch ``cu_seqlens_*_host``.
 
         The offsets are Python ints (the global batch's ``cu_seqlens``), so planning never touches a device.
         Every rank builds the same plan with its own ``rank``; ``rank`` is the rank inside the process
-        group that the attention call will use.
+        group that the attention call will use. For :func:`usp_varlen_attention` on a mesh of
+        ``ulysses_degree`` x ``world_size / ulysses_degree`` ranks, ``rank`` is
+        ``ring_rank * ulysses_degree + ulysses_rank`` (the ranks inside the ring and the Ulysses group).
         """
         where = "ShardPlan.build"
         cu_q = _check_offsets(cu_seqlens_q_host, "cu_seqlens_q_host")
@@ -187,7 +212,7 @@ class ShardPlan:
                 f"{where}: cu_seqlens_q_host and cu_seqlens_k_host must describe the same number of sequences, "
                 f"got {len(cu_q) - 1} and {len(cu_k) - 1}"
             )
-        for name, value in (("world_size", world_size), ("rank", rank)):
+        for name, value in (("world_size", world_size), ("rank", rank), ("ulysses_degree", ulysses_degree)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InputTypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
         if world_size < 1:
@@ -196,9 +221,32 @@ class ShardPlan:
             raise ValueError(f"{where}: rank must be in [0, world_size) = [0, {world_size}), got {rank}")
         if balance not in BALANCES:
             raise ValueError(f"{where}: balance must be one of {BALANCES}, got {balance!r}")
-        shards_q = tuple(_shard(cu_q, world_size, r, balance) for r in range(world_size))
-        shards_k = tuple(_shard(cu_k, world_size, r, balance) for r in range(world_size))
-        return ShardPlan(world_size, rank, balance, cu_q, cu_k, shards_q, shards_k)
+        if ulysses_degree < 1 or world_size % ulysses_degree != 0:
+            raise ValueError(
+                f"{where}: ulysses_degree must be >= 1 and divide world_size ({world_size}), got {ulysses_degree}"
+            )
+        shards_q = tuple(_shard(cu_q, world_size, r, balance, ulysses_degree) for r in range(world_size))
+        shards_k = tuple(_shard(cu_k, world_size, r, balance, ulysses_degree) for r in range(world_size))
+        return ShardPlan(world_size, rank, balance, cu_q, cu_k, shards_q, shards_k, ulysses_degree)
+
+    @property
+    def ring_degree(self) -> int:
+        """Number of ring parts (``world_size / ulysses_degree``)."""
+        return self.world_size // self.ulysses_degree
+
+    def ring_level(self) -> ShardPlan:
+        """The plan of the ring across Ulysses groups: rank ``rank // ulysses_degree`` of ``ring_degree``,
+        whose local rows are the rows of this rank's whole Ulysses group (cached)."""
+        return self.cached(
+            "ring_level",
+            lambda: ShardPlan.build(
+                self.global_cu_seqlens_q,
+                self.global_cu_seqlens_k,
+                world_size=self.ring_degree,
+                rank=self.rank // self.ulysses_degree,
+                balance=self.balance,
+            ),
+        )
 
     @property
     def batch(self) -> int:

@@ -230,7 +230,9 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _setup(plan: ShardPlan, ring: Ring, mask: MaskSpec, backend: str | None, device: torch.device) -> _Setup:
+def ring_setup(
+    plan: ShardPlan, ring: Ring, mask: MaskSpec, backend: str | None, device: torch.device, where: str
+) -> _Setup:
     """The ring's steps with their device-side indices, cached on the plan per mask and device."""
 
     def build() -> tuple[tuple[int, tuple[_Job, ...]], ...]:
@@ -239,10 +241,19 @@ def _setup(plan: ShardPlan, ring: Ring, mask: MaskSpec, backend: str | None, dev
         return tuple((st.source, _jobs(plan, mask, st.source, st.calls, device, written)) for st in steps)
 
     steps = plan.cached(("jobs", mask, str(device)), build)
-    return _Setup(ring, plan, steps, backend, "ring_varlen_attention")
+    return _Setup(ring, plan, steps, backend, where)
 
 
-def _check_backend(
+def run_ring(
+    setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of this rank's queries over every rank's keys; differentiable when ``grad``."""
+    if grad:
+        return _RingAttention.apply(q, k, v, setup)
+    return _forward(setup, q, k, v, False)
+
+
+def check_ring_backend(
     setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, grad: bool
 ) -> None:
     """An explicit backend must run every call of every rank; checked here, before any rank communicates."""
@@ -352,14 +363,11 @@ def ring_varlen_attention(
         check_plan(plan, ring, where)
         check_rows(q, plan.local_q, "q", "q", plan, where)
         check_rows(k, plan.local_k, "k", "k", plan, where)
-        setup = _setup(plan, ring, mask, backend, q.device)
-        _check_backend(setup, q, k, v, mask, grad)
+        setup = ring_setup(plan, ring, mask, backend, q.device, where)
+        check_ring_backend(setup, q, k, v, mask, grad)
         options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
         return {**plan_items(plan), **attention_options(q, k, v, **options, backend=backend)}, setup
 
     setup = collective_check(ring, where, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), validate)
-    if grad:
-        out, lse = _RingAttention.apply(q, k, v, setup)
-    else:
-        out, lse = _forward(setup, q, k, v, False)
+    out, lse = run_ring(setup, q, k, v, grad)
     return (out, lse) if return_lse else out

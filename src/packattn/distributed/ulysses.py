@@ -11,32 +11,101 @@ mapping; its gradient sums the copies.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, overload
+from dataclasses import dataclass
+from typing import Any, Literal, cast, overload
 
 import torch
 
 from ..api import check_call, varlen_attention
 from .comm import (
+    Ring,
     all_to_all,
     attention_options,
     check_plan,
     check_rows,
     collective_check,
-    gather_order,
     join_group,
     plan_items,
-    rank_major_rows,
 )
-from .plan import ShardPlan, offsets_on
+from .plan import Shard, ShardPlan, offsets_on
 
 __all__ = ["ulysses_varlen_attention"]
 
 
-def _orders(plan: ShardPlan, side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank-major -> global, global -> rank-major) row indices, cached on the plan per device."""
+@dataclass(frozen=True)
+class HeadExchange:
+    """One side's all-to-all inside a Ulysses group: each member's row count, and where each row goes.
+
+    ``to_target[i]`` is the place, among the rows that arrive (rank-major: member 0's, then member 1's, ...),
+    of row ``i`` of the target order; ``to_members`` is the inverse permutation.
+    """
+
+    counts: tuple[int, ...]
+    to_target: torch.Tensor
+    to_members: torch.Tensor
+
+
+def head_exchange(plan: ShardPlan, side: str, members: range, target: Shard, device: torch.device) -> HeadExchange:
+    """The exchange among plan ranks ``members`` whose rows, together, are ``target``'s (cached on the plan)."""
+
+    def build() -> HeadExchange:
+        shards = [plan.shards(side)[r] for r in members]
+        arrived, wanted = torch.cat([s.global_rows() for s in shards]), target.global_rows()
+        to_target = torch.empty_like(wanted)
+        if wanted.numel():
+            place = torch.empty(int(arrived.max()) + 1, dtype=torch.int64)
+            place[arrived] = torch.arange(arrived.numel())
+            to_target = place[wanted]
+        to_members = torch.empty_like(to_target)
+        to_members[to_target] = torch.arange(to_target.numel())
+        return HeadExchange(tuple(s.total for s in shards), to_target.to(device), to_members.to(device))
+
+    return plan.cached(("heads", side, members.start, members.stop, str(device)), build)
+
+
+def heads_to_rows(x: torch.Tensor, ex: HeadExchange, group: Any) -> torch.Tensor:
+    """``(own rows, n * h, D)`` on each of the ``n`` members -> ``(target rows, h, D)``: head group ``p`` on
+    member ``p``."""
+    n = len(ex.counts)
+    rows, heads, dim = x.shape
+    send = x.reshape(rows, n, heads // n, dim).transpose(0, 1).reshape(n * rows, heads // n, dim)
+    got = all_to_all(send, [rows] * n, list(ex.counts), group)
+    return got.index_select(0, ex.to_target)
+
+
+def rows_to_heads(y: torch.Tensor, ex: HeadExchange, member: int, group: Any) -> torch.Tensor:
+    """Inverse of :func:`heads_to_rows` on member ``member``: ``(target rows, h, D)`` -> ``(own rows, n * h, D)``."""
+    n, rows = len(ex.counts), ex.counts[member]
+    got = all_to_all(y.index_select(0, ex.to_members), list(ex.counts), [rows] * n, group)
+    h, dim = y.shape[1], y.shape[2]
+    return got.reshape(n, rows, h, dim).transpose(0, 1).reshape(rows, n * h, dim)
+
+
+def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV heads repeated so that ``n`` members get whole heads, keeping the query-to-KV head mapping."""
+    repeat = n // math.gcd(k.shape[1], n)
+    if repeat == 1:
+        return k, v
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
+def lse_to_heads(lse: torch.Tensor, ex: HeadExchange, member: int, group: Any) -> torch.Tensor:
+    """The ``(h, target rows)`` LSE back as ``(n * h, own rows)``."""
+    return rows_to_heads(lse.transpose(0, 1)[..., None], ex, member, group)[..., 0].transpose(0, 1).contiguous()
+
+
+def check_heads(q: torch.Tensor, n: int, where: str, group_name: str, alternative: str) -> None:
+    if q.shape[1] % n != 0:
+        raise ValueError(
+            f"{where}: the number of query heads (q.shape[1] = {q.shape[1]}) must be divisible by the "
+            f"{group_name} size ({n}), since each rank attends with Hq / {n} heads; {alternative}"
+        )
+
+
+def _whole(plan: ShardPlan) -> ShardPlan:
+    """The whole batch on one rank, in global order."""
     return plan.cached(
-        ("ulysses", side, str(device)),
-        lambda: (gather_order(plan, side).to(device), rank_major_rows(plan, side).to(device)),
+        "whole", lambda: ShardPlan.build(plan.global_cu_seqlens_q, plan.global_cu_seqlens_k, world_size=1, rank=0)
     )
 
 
@@ -46,27 +115,6 @@ def _global_cu_seqlens(plan: ShardPlan, device: torch.device) -> tuple[torch.Ten
         ("global_cu_seqlens", str(device)),
         lambda: offsets_on(plan.global_cu_seqlens_q, plan.global_cu_seqlens_k, device),
     )
-
-
-def _heads_to_sequence(x: torch.Tensor, plan: ShardPlan, side: str, group: Any) -> torch.Tensor:
-    """``(local rows, W * h, D)`` on every rank -> ``(global rows, h, D)``: head group ``p`` on rank ``p``."""
-    w = plan.world_size
-    rows, heads, dim = x.shape
-    send = x.reshape(rows, w, heads // w, dim).transpose(0, 1).reshape(w * rows, heads // w, dim)
-    counts = [s.total for s in plan.shards(side)]
-    got = all_to_all(send, [rows] * w, counts, group)
-    return got.index_select(0, _orders(plan, side, x.device)[0])
-
-
-def _sequence_to_heads(y: torch.Tensor, plan: ShardPlan, side: str, group: Any) -> torch.Tensor:
-    """Inverse of :func:`_heads_to_sequence`: ``(global rows, h, D)`` -> ``(local rows, W * h, D)``."""
-    w = plan.world_size
-    rows = plan.shards(side)[plan.rank].total
-    counts = [s.total for s in plan.shards(side)]
-    send = y.index_select(0, _orders(plan, side, y.device)[1])
-    got = all_to_all(send, counts, [rows] * w, group)
-    h, dim = y.shape[1], y.shape[2]
-    return got.reshape(w, rows, h, dim).transpose(0, 1).reshape(rows, w * h, dim)
 
 
 @overload
@@ -144,24 +192,39 @@ def ulysses_varlen_attention(
         check_plan(plan, ring, where)
         check_rows(q, plan.local_q, "q", "q", plan, where)
         check_rows(k, plan.local_k, "k", "k", plan, where)
-        if q.shape[1] % ring.size != 0:
-            raise ValueError(
-                f"{where}: the number of query heads (q.shape[1] = {q.shape[1]}) must be divisible by the group "
-                f"size ({ring.size}), since each rank attends with Hq / world_size heads; use "
-                "ring_varlen_attention for this head count"
-            )
+        check_heads(q, ring.size, where, "group", "use ring_varlen_attention for this head count")
         options = attention_options(q, k, v, **mask, return_lse=return_lse, backend=backend)
         return {**plan_items(plan), **options}, None
 
     collective_check(ring, where, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), validate)
-    w, hkv = ring.size, k.shape[1]
-    repeat = w // math.gcd(hkv, w)
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    qg = _heads_to_sequence(q, plan, "q", group)
+    out, lse = ulysses_attend(q, k, v, plan, ring, mask, return_lse, backend)
+    return (out, cast(torch.Tensor, lse)) if return_lse else out
+
+
+def exchange_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, members: range, target: ShardPlan, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadExchange]:
+    """The first all-to-all: the plan ranks ``members`` (a Ulysses group, in group order) trade heads for the
+    rows of ``target``'s local batch (all their rows together). Returns ``(q, k, v, the q side's exchange)``."""
+    k, v = repeat_kv_heads(k, v, len(members))
+    ex_q, ex_k = (head_exchange(plan, side, members, target.shards(side)[target.rank], q.device) for side in ("q", "k"))
     d = k.shape[2]
-    kv = _heads_to_sequence(torch.cat([k, v], dim=2), plan, "k", group)
-    kg, vg = kv[..., :d], kv[..., d:]
+    kv = heads_to_rows(torch.cat([k, v], dim=2), ex_k, group)
+    return heads_to_rows(q, ex_q, group), kv[..., :d], kv[..., d:], ex_q
+
+
+def ulysses_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ShardPlan,
+    group: Ring,
+    mask: dict[str, Any],
+    return_lse: bool,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ulysses over ``group`` (plan ranks 0..W-1) after the checks: ``(out, lse or None)`` of this rank's rows."""
+    qg, kg, vg, ex_q = exchange_heads(q, k, v, plan, range(group.size), _whole(plan), group.group)
     cu_q, cu_k = _global_cu_seqlens(plan, q.device)
     options: dict[str, Any] = {
         "cu_seqlens_q_host": plan.global_cu_seqlens_q,
@@ -170,8 +233,7 @@ def ulysses_varlen_attention(
         **mask,
     }
     if not return_lse:
-        return _sequence_to_heads(varlen_attention(qg, kg, vg, cu_q, cu_k, **options), plan, "q", group)
+        out = varlen_attention(qg, kg, vg, cu_q, cu_k, **options)
+        return rows_to_heads(out, ex_q, group.rank, group.group), None
     out, lse = varlen_attention(qg, kg, vg, cu_q, cu_k, return_lse=True, **options)
-    out_local = _sequence_to_heads(out, plan, "q", group)
-    lse_local = _sequence_to_heads(lse.transpose(0, 1)[..., None], plan, "q", group)
-    return out_local, lse_local[..., 0].transpose(0, 1).contiguous()
+    return rows_to_heads(out, ex_q, group.rank, group.group), lse_to_heads(lse, ex_q, group.rank, group.group)
