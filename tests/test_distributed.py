@@ -10,6 +10,7 @@ test_distributed_plan.py.
 
 from __future__ import annotations
 
+import functools
 import re
 import traceback
 from datetime import timedelta
@@ -27,7 +28,13 @@ from packattn.backends import reference
 from packattn.backends.base import Backend
 from packattn.bench import distributed as bench
 from packattn.bench.distributed import Setting, measure
-from packattn.distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
+from packattn.distributed import (
+    ShardPlan,
+    joint_varlen_attention,
+    ring_varlen_attention,
+    ulysses_varlen_attention,
+    usp_varlen_attention,
+)
 from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
 from .helpers import make_case, offsets
@@ -35,8 +42,25 @@ from .helpers import make_case, offsets
 WORKERS = 4
 TIMEOUT_S = 120
 # group name -> global ranks; torch orders a group's ranks, so "ranks123" has group rank 0 = global rank 1.
-GROUPS = {"ws1": [0], "ws2": [0, 1], "ws3": [0, 1, 2], "ws4": None, "ranks123": [1, 2, 3]}
-SIZES = {"ws1": 1, "ws2": 2, "ws3": 3, "ws4": 4, "ranks123": 3}
+GROUPS = {
+    "ws1": [0],
+    "ws2": [0, 1],
+    "ws3": [0, 1, 2],
+    "ws4": None,
+    "ranks123": [1, 2, 3],
+    **{f"pair{a}{b}": [a, b] for a, b in ((0, 1), (2, 3), (0, 2), (1, 3))},
+}
+# Meshes: name -> (the group of all its ranks, {global rank: (Ulysses group, ring group)}); None: that
+# dimension has one rank. Under u2r2, global rank g is Ulysses rank g % 2 of ring rank g // 2.
+MESHES: dict[str, tuple[str, dict[int, tuple[str | None, str | None]]]] = {
+    "u2r2": (
+        "ws4",
+        {0: ("pair01", "pair02"), 1: ("pair01", "pair13"), 2: ("pair23", "pair02"), 3: ("pair23", "pair13")},
+    ),
+    "u2r1": ("ws2", {0: ("ws2", None), 1: ("ws2", None)}),
+    "u1r2": ("ws2", {0: (None, "ws2"), 1: (None, "ws2")}),
+    "u4r1": ("ws4", dict.fromkeys(range(4), ("ws4", None))),
+}
 
 # One batch with every awkward case: lengths not divisible by W or 2W, shorter than W, 1 query against
 # 6 keys (most ranks hold keys but no queries of it), no queries, no keys, Lq < Lk and Lq > Lk.
@@ -136,6 +160,28 @@ def _plan(group: Any, lens_q: list[int], lens_k: list[int], balance: str) -> Sha
     )
 
 
+def _mesh(name: str) -> tuple[Any, Any, int, int]:
+    """This rank's (Ulysses group, ring group, Ulysses degree, plan rank) on mesh ``name``."""
+    names = MESHES[name][1][dist.get_rank()]
+    groups = [None if n is None else GROUP_OBJECTS[n] or dist.group.WORLD for n in names]
+    size = [1 if g is None else dist.get_world_size(g) for g in groups]
+    rank = [0 if g is None else dist.get_rank(g) for g in groups]
+    return groups[0], groups[1], size[0], rank[1] * size[0] + rank[0]
+
+
+def _mesh_plan(name: str, lens_q: list[int], lens_k: list[int], balance: str) -> ShardPlan:
+    _, _, u, rank = _mesh(name)
+    world = dist.get_world_size(GROUP_OBJECTS[MESHES[name][0]])
+    return ShardPlan.build(
+        offsets(lens_q),
+        offsets(lens_k),
+        world_size=world,
+        rank=rank,
+        balance=balance,
+        ulysses_degree=u,  # type: ignore[arg-type]
+    )
+
+
 def case_matches_single_process(
     group: Any,
     *,
@@ -148,12 +194,19 @@ def case_matches_single_process(
     backend: str | None = None,
     lens: tuple[list[int], list[int]] = (LENS_Q, LENS_K),
     with_lse: bool = True,
+    mesh: str | None = None,
 ) -> None:
     """Forward (out, LSE) and backward (dq, dk, dv through out and, if ``with_lse``, the LSE) of this
-    rank's rows vs the oracle."""
+    rank's rows vs the oracle. ``method="usp"`` runs on ``mesh``."""
     opts = MASKS[mask]
     c = make_case(*lens, hq=hq, hkv=hkv, d=16, dv=8, dtype=getattr(torch, dtype), seed=3)
-    plan = _plan(group, *lens, balance)
+    if mesh is None:
+        plan = _plan(group, *lens, balance)
+        attend = functools.partial(METHODS[method], group=group)
+    else:
+        plan = _mesh_plan(mesh, *lens, balance)
+        uly, ring, _, _ = _mesh(mesh)
+        attend = functools.partial(usp_varlen_attention, ulysses_group=uly, ring_group=ring)
     gen = torch.Generator().manual_seed(4)
     dout = torch.randn(c.q.shape[0], hq, 8, generator=gen, dtype=torch.float64)
     dlse = torch.randn(hq, c.q.shape[0], generator=gen, dtype=torch.float64)
@@ -170,7 +223,7 @@ def case_matches_single_process(
     expected, plain = reference_run(torch.float64), reference_run(None)
     leaves = [plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)]
     leaves = [t.detach().requires_grad_() for t in leaves]
-    out, lse = METHODS[method](*leaves, plan, group=group, return_lse=True, backend=backend, **opts)
+    out, lse = attend(*leaves, plan, return_lse=True, backend=backend, **opts)
     lse_dtype = torch.float64 if c.q.dtype == torch.float64 else torch.float32
     assert out.dtype == c.q.dtype and lse.dtype == lse_dtype and lse.shape == (hq, plan.local_q)
     got = (out, lse, *torch.autograd.grad(loss(out, lse, plan.shard_q(dout), plan.shard_q(dlse.T).T), leaves))
@@ -362,7 +415,90 @@ def case_benchmark_runs(group: Any) -> None:
     assert all(r.median_ms > 0 and r.overhead > 0 for r in results)
 
 
+def case_usp_with_one_dimension_is_ring_or_ulysses(group: Any, *, mesh: str) -> None:
+    """usp on a 1 x R mesh is the ring, on U x 1 Ulysses: the same bits, forward and backward."""
+    uly, ring, _, _ = _mesh(mesh)
+    c = make_case(LENS_Q, LENS_K, hq=6, hkv=2, d=16, seed=5)
+    plan = _mesh_plan(mesh, LENS_Q, LENS_K, "zigzag")
+    same = (
+        functools.partial(ring_varlen_attention, group=ring)
+        if uly is None
+        else functools.partial(ulysses_varlen_attention, group=uly)
+    )
+    results = []
+    for fn in (same, functools.partial(usp_varlen_attention, ulysses_group=uly, ring_group=ring)):
+        leaves = [x.detach().requires_grad_() for x in (plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v))]
+        out, lse = fn(*leaves, plan, causal=True, return_lse=True)
+        results.append((out, lse, *torch.autograd.grad((out * out).sum() + lse.sum(), leaves)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+TEXT = [3, 0, 2, 5, 1, 4]  # joint tokens per sequence (one sequence has none)
+IMAGE = [13, 1, 0, 9, 24, 5]  # sharded tokens per sequence (one has none)
+
+
+def case_joint_matches_single_process(group: Any, *, mesh: str, dtype: str = "float32", softcap: float = 0.0) -> None:
+    """Joint attention (text on every rank, image sharded) against the float64 oracle of the joint
+    sequences [text, image]: outputs and LSE, image gradients per rank, and text gradients summed over ranks
+    (each rank passing its own share of the text outputs' gradient)."""
+    uly, ring, _, rank = _mesh(mesh)
+    members = GROUP_OBJECTS[MESHES[mesh][0]]
+    world = dist.get_world_size(members)
+    joint_lens = [t + i for t, i in zip(TEXT, IMAGE, strict=True)]
+    c = make_case(joint_lens, joint_lens, hq=4, hkv=2, d=16, dv=8, dtype=getattr(torch, dtype), seed=7)
+    cu = offsets(joint_lens)
+    text_rows = torch.cat([torch.arange(cu[b], cu[b] + t) for b, t in enumerate(TEXT)])
+    image_rows = torch.cat([torch.arange(cu[b] + t, cu[b + 1]) for b, t in enumerate(TEXT)])
+    plan = _mesh_plan(mesh, IMAGE, IMAGE, "zigzag")
+    gen = torch.Generator().manual_seed(8)
+    dout = torch.randn(cu[-1], 4, 8, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(4, cu[-1], generator=gen, dtype=torch.float64)
+    share = (rank + 1) / (world * (world + 1) / 2)  # this rank's share of the text rows' upstream gradient
+
+    def reference_run(dt: torch.dtype | None) -> list[torch.Tensor]:
+        xs = [t.detach().clone().requires_grad_() for t in (c.q, c.k, c.v)]
+        o, lse = attention_naive(*xs, c.cu_q, c.cu_k, dtype=dt, softcap=softcap)
+        loss = (o.double() * dout).sum() + (lse.double() * dlse).sum()
+        return [o, lse, *torch.autograd.grad(loss, xs)]
+
+    expected, plain = reference_run(torch.float64), reference_run(None)
+    image = [plan.shard_q(x.index_select(0, image_rows)).detach().requires_grad_() for x in (c.q, c.k, c.v)]
+    text = [x.index_select(0, text_rows).detach().requires_grad_() for x in (c.q, c.k, c.v)]
+    out, joint_out, lse, joint_lse = joint_varlen_attention(
+        *image, *text, offsets(TEXT), plan, ulysses_group=uly, ring_group=ring, softcap=softcap, return_lse=True
+    )
+    img_dout, img_dlse = plan.shard_q(dout[image_rows]), plan.shard_q(dlse[:, image_rows].T).T
+    loss = (out.double() * img_dout).sum() + (lse.double() * img_dlse).sum()
+    loss = loss + share * (
+        (joint_out.double() * dout[text_rows]).sum() + (joint_lse.double() * dlse[:, text_rows]).sum()
+    )
+    grads = torch.autograd.grad(loss, [*image, *text])
+    text_grads = [g.clone() for g in grads[3:]]
+    for g in text_grads:
+        dist.all_reduce(g, group=members)
+    checks = {
+        "out": (out, lambda t: plan.shard_q(t[image_rows])),
+        "lse": (lse, lambda t: plan.shard_q(t[:, image_rows].T).T),
+        "joint_out": (joint_out, lambda t: t[text_rows]),
+        "joint_lse": (joint_lse, lambda t: t[:, text_rows]),
+    }
+    for name, (got, sel) in checks.items():
+        i = 0 if "out" in name else 1
+        assert_close_to_oracle(
+            got, sel(expected[i]), sel(plain[i]), name=f"rank {rank} {name}", floor=1e-5 if "lse" in name else None
+        )
+    for j, name in enumerate(["dq", "dk", "dv"]):
+        e, p = expected[2 + j], plain[2 + j]
+        assert_close_to_oracle(
+            grads[j], plan.shard_q(e[image_rows]), plan.shard_q(p[image_rows]), name=f"rank {rank} image {name}"
+        )
+        assert_close_to_oracle(text_grads[j], e[text_rows], p[text_rows], name=f"rank {rank} text {name} (summed)")
+
+
 CASES = {
+    "usp_one_dimension": case_usp_with_one_dimension_is_ring_or_ulysses,
+    "joint": case_joint_matches_single_process,
     "benchmark": case_benchmark_runs,
     "matches": case_matches_single_process,
     "no_grad_and_unshard": case_no_grad_and_unshard,
@@ -459,3 +595,35 @@ def test_benchmark_measures(cluster):
 
 def test_benchmark_rejects_a_wrong_result(cluster):
     cluster.run("benchmark_rejects", "ws4")
+
+
+MESH_NAMES = list(MESHES)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mesh", MESH_NAMES)
+def test_usp_matches_single_process(cluster, mesh, balance, mask):
+    # hq=12, hkv=2: with a Ulysses group of 4 the KV heads are repeated (Hkv < U).
+    cluster.run("matches", MESHES[mesh][0], method="usp", mesh=mesh, balance=balance, mask=mask)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "float64", "mqa"])
+def test_usp_dtypes_and_heads(cluster, case):
+    opts: dict[str, Any] = {"mqa": {"hq": 8, "hkv": 1}}.get(case, {"dtype": case})
+    cluster.run("matches", "ws4", method="usp", mesh="u2r2", balance="zigzag", mask="causal_window_softcap", **opts)
+
+
+@pytest.mark.parametrize("mesh", ["u1r2", "u2r1"])
+def test_usp_with_one_dimension_is_ring_or_ulysses(cluster, mesh):
+    cluster.run("usp_one_dimension", MESHES[mesh][0], mesh=mesh)
+
+
+@pytest.mark.parametrize("mesh", MESH_NAMES)
+def test_joint_attention_matches_single_process(cluster, mesh):
+    cluster.run("joint", MESHES[mesh][0], mesh=mesh)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_joint_attention_dtypes(cluster, dtype):
+    cluster.run("joint", "ws4", mesh="u2r2", dtype=dtype, softcap=2.0)

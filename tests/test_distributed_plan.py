@@ -162,3 +162,45 @@ def test_causal_blocks_are_skipped_and_zigzag_balances_them():
     assert all(
         len(st.calls) == 1 and st.calls[0].window == (-1, -1) for p in zigzag for st in ring_schedule(p, -1, 0)[1:]
     )
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize(("world_size", "ulysses_degree"), [(4, 2), (6, 3), (6, 2), (8, 4)])
+def test_mesh_plans_cut_each_ring_part_among_its_ulysses_group(world_size, ulysses_degree, balance):
+    """Rank r * U + u holds part u of ring part r: the U members of ring part r together hold exactly its
+    rows (every row once), and the whole mesh partitions the batch."""
+    cu_q, cu_k = offsets([13, 1, 0, 3, 24, 7]), offsets([13, 6, 4, 0, 24, 2])
+    mesh = [
+        ShardPlan.build(cu_q, cu_k, world_size=world_size, rank=r, balance=balance, ulysses_degree=ulysses_degree)
+        for r in range(world_size)
+    ]
+    for side, total in (("q", cu_q[-1]), ("k", cu_k[-1])):
+        every = torch.cat([getattr(p, f"shard_{side}")(torch.arange(total)) for p in mesh])
+        assert sorted(every.tolist()) == list(range(total))
+        for p in mesh:
+            group = mesh[p.rank - p.rank % ulysses_degree : p.rank - p.rank % ulysses_degree + ulysses_degree]
+            held = sorted(torch.cat([getattr(m, f"shard_{side}")(torch.arange(total)) for m in group]).tolist())
+            ring_part = getattr(p.ring_level(), f"shard_{side}")(torch.arange(total))
+            assert held == sorted(ring_part.tolist())
+            assert p.ring_level().world_size == world_size // ulysses_degree
+            assert p.ring_level().rank == p.rank // ulysses_degree
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+def test_mesh_plans_with_one_dimension_are_todays_plans(balance):
+    cu_q, cu_k = offsets([13, 1, 0, 3, 24]), offsets([13, 6, 4, 0, 24])
+    for r in range(4):
+        plain = ShardPlan.build(cu_q, cu_k, world_size=4, rank=r, balance=balance)
+        for u in (1, 4):  # all ring, or all Ulysses
+            mesh = ShardPlan.build(cu_q, cu_k, world_size=4, rank=r, balance=balance, ulysses_degree=u)
+            assert (mesh.shards_q, mesh.shards_k) == (plain.shards_q, plain.shards_k)
+
+
+def test_mesh_plan_errors_and_positions():
+    with pytest.raises(ValueError, match=r"ulysses_degree must be >= 1 and divide world_size \(4\), got 3"):
+        ShardPlan.build([0, 4], [0, 4], world_size=4, rank=0, ulysses_degree=3)
+    with pytest.raises(TypeError, match="ulysses_degree must be an int, got float"):
+        ShardPlan.build([0, 4], [0, 4], world_size=4, rank=0, ulysses_degree=2.0)  # type: ignore[arg-type]
+    plan = ShardPlan.build([0, 8, 11], [0, 8, 11], world_size=2, rank=1)
+    assert plan.positions().tolist() == [2, 3, 4, 5, 1, 2]
+    assert plan.shard_q(torch.arange(11)).tolist() == [2, 3, 4, 5, 9, 10]

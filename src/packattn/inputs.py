@@ -137,8 +137,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def check_tensors(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str, names: tuple[str, str, str] = ("q", "k", "v")
+) -> None:
+    nq, nk, nv = names
+    for name, t in ((nq, q), (nk, k), (nv, v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
@@ -148,25 +151,29 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str)
         if t.shape[1] == 0:
             raise ValueError(f"{where}: {name} must have at least one head, got shape {tuple(t.shape)}")
     if q.dtype not in FLOAT_DTYPES:
-        raise InputTypeError(f"{where}: q must be float32, float16, bfloat16 or float64, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
+        raise InputTypeError(f"{where}: {nq} must be float32, float16, bfloat16 or float64, got {q.dtype}")
+    for name, t in ((nk, k), (nv, v)):
         if t.dtype != q.dtype:
-            raise InputTypeError(f"{where}: {name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+            raise InputTypeError(f"{where}: {name} must have the same dtype as {nq} ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{where}: {name} must be on the same device as q ({q.device}), got {t.device}")
+            raise ValueError(f"{where}: {name} must be on the same device as {nq} ({q.device}), got {t.device}")
     if k.shape[0] != v.shape[0]:
-        raise ValueError(f"{where}: k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+        raise ValueError(
+            f"{where}: {nk} and {nv} must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}"
+        )
     if k.shape[1] != v.shape[1]:
-        raise ValueError(f"{where}: k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+        raise ValueError(
+            f"{where}: {nk} and {nv} must have the same number of heads, got {k.shape[1]} and {v.shape[1]}"
+        )
     if q.shape[2] != k.shape[2]:
         raise ValueError(
-            f"{where}: q and k must have the same head_dim because scores are q @ k^T, got {q.shape[2]} "
-            f"and {k.shape[2]} (v's head_dim may differ from theirs)"
+            f"{where}: {nq} and {nk} must have the same head_dim because scores are {nq} @ {nk}^T, got "
+            f"{q.shape[2]} and {k.shape[2]} ({nv}'s head_dim may differ from theirs)"
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
-            f"{where}: the number of query heads (q.shape[1] = {q.shape[1]}) must be a multiple of the number "
-            f"of key/value heads (k.shape[1] = {k.shape[1]}) for MHA/GQA/MQA"
+            f"{where}: the number of query heads ({nq}.shape[1] = {q.shape[1]}) must be a multiple of the number "
+            f"of key/value heads ({nk}.shape[1] = {k.shape[1]}) for MHA/GQA/MQA"
         )
 
 

@@ -293,6 +293,19 @@ class ShardPlan:
             lambda: offsets_on(self.cu_seqlens_q_host, self.cu_seqlens_k_host, device),
         )
 
+    def positions(self, side: str = "q") -> torch.Tensor:
+        """int64 position inside its sequence of each local row of ``side`` (``"q"`` or ``"k"``), e.g. to
+        pick the local rows' positional embeddings. Cached on CPU (do not modify it).
+
+        Example:
+            >>> ShardPlan.build([0, 8, 11], [0, 8, 11], world_size=2, rank=0).positions().tolist()
+            [0, 1, 6, 7, 0]
+        """
+        pieces = self.shards(side)[self.rank].pieces
+        return self.cached(
+            ("positions", side), lambda: ranges_index([p.start for p in pieces], [p.length for p in pieces])
+        )
+
     def cached(self, key: Hashable, make: Callable[[], T]) -> T:
         """``make()``, computed on first use and then kept in :attr:`cache` under ``key``.
 
