@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import packattn
 from packattn import dispatch
 from packattn.backends import reference
 from packattn.backends.base import Backend
@@ -496,7 +497,54 @@ def case_joint_matches_single_process(group: Any, *, mesh: str, dtype: str = "fl
         assert_close_to_oracle(text_grads[j], e[text_rows], p[text_rows], name=f"rank {rank} text {name} (summed)")
 
 
+def case_mesh_errors_and_one_bad_rank(group: Any) -> None:
+    """On the 2 x 2 mesh: local errors before any exchange, one rank's bad input or disagreement raises on
+    every rank of the mesh (through both groups' checks), then a good call works; a DeviceMesh gives the
+    same result as the two groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    uly, ring, _, rank = _mesh("u2r2")
+    c = make_case(LENS_Q, LENS_K, hq=4, hkv=2, d=16, seed=2)
+    plan = _mesh_plan("u2r2", LENS_Q, LENS_K, "zigzag")
+    q, k, v = plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)
+    usp = functools.partial(usp_varlen_attention, ulysses_group=uly, ring_group=ring)
+    with pytest.raises(ValueError, match=r"pass mesh= .* or ulysses_group= and/or ring_group="):
+        usp_varlen_attention(q, k, v, plan)
+    wrong = ShardPlan.build(c.cu_q, c.cu_k, world_size=4, rank=(rank + 1) % 4, ulysses_degree=2)
+    with pytest.raises(ValueError, match=rf"build it with world_size=4, ulysses_degree=2, rank={rank} "):
+        usp(q, k, v, wrong)
+    with pytest.raises(
+        ValueError, match=r"query heads \(q.shape\[1\] = 3\) must be a multiple|divisible by the Ulysses"
+    ):
+        usp(q[:, :3], k[:, :1], v[:, :1], plan)
+    # Rank 3 passes a short shard: it raises its own error, every other rank names it.
+    bad = q[:-1] if rank == 3 else q
+    with pytest.raises(ValueError) as err:
+        usp(bad, k, v, plan)
+    if rank == 3:
+        assert "q must hold this rank's" in str(err.value)
+    else:
+        assert "rejected its input" in str(err.value) and "q must hold this rank's" in str(err.value)
+    # Rank 3 disagrees on an option: every rank raises.
+    with pytest.raises(ValueError, match="ranks disagree on causal"):
+        usp(q, k, v, plan, causal=rank == 3)
+    whole = packattn.varlen_attention(c.q, c.k, c.v, *c.tensors(), causal=True)
+    torch.testing.assert_close(usp(q, k, v, plan, causal=True), plan.shard_q(whole))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    assert torch.equal(usp_varlen_attention(q, k, v, plan, mesh=mesh, causal=True), usp(q, k, v, plan, causal=True))
+    with pytest.raises(ValueError, match="not both"):
+        usp_varlen_attention(q, k, v, plan, mesh=mesh, ring_group=ring)
+    text = c.q[:5]
+    with pytest.raises(TypeError, match="cu_seqlens_joint_host must be a list/tuple of Python ints"):
+        joint_varlen_attention(q, k, v, text, text[:, :2], text[:, :2], torch.tensor([0, 5]), plan, mesh=mesh)
+    with pytest.raises(ValueError, match="cu_seqlens_joint_host must be the non-decreasing offsets"):
+        joint_varlen_attention(q, k, v, text, text[:, :2], text[:, :2], [0, 5], plan, mesh=mesh)
+    with pytest.raises(ValueError, match=r"joint_k must have the heads, head dim, dtype and device of k"):
+        joint_varlen_attention(q, k, v, text, text, text, [0] * len(LENS_Q) + [5], plan, mesh=mesh)
+
+
 CASES = {
+    "mesh_errors": case_mesh_errors_and_one_bad_rank,
     "usp_one_dimension": case_usp_with_one_dimension_is_ring_or_ulysses,
     "joint": case_joint_matches_single_process,
     "benchmark": case_benchmark_runs,
@@ -627,3 +675,7 @@ def test_joint_attention_matches_single_process(cluster, mesh):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_joint_attention_dtypes(cluster, dtype):
     cluster.run("joint", "ws4", mesh="u2r2", dtype=dtype, softcap=2.0)
+
+
+def test_mesh_errors_and_one_bad_rank(cluster):
+    cluster.run("mesh_errors", "ws4")

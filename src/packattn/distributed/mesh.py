@@ -251,14 +251,8 @@ def _check_joint(
     jv: object,
     cu_joint: object,
     plan: ShardPlan,
-    mask: MaskSpec,
     where: str,
 ) -> tuple[int, ...]:
-    if mask.masked:
-        raise ValueError(
-            f"{where}: joint attention is bidirectional (the text and image tokens of a sequence all see each "
-            f"other): causal and window_size are not supported, got window ({mask.left}, {mask.right})"
-        )
     check_tensors(jq, jk, jv, where, names=("joint_q", "joint_k", "joint_v"))  # type: ignore[arg-type]
     jq, jk, jv = cast(torch.Tensor, jq), cast(torch.Tensor, jk), cast(torch.Tensor, jv)
     for name, t, like in (("joint_q", jq, q), ("joint_k", jk, k), ("joint_v", jv, v)):
@@ -373,7 +367,7 @@ def joint_varlen_attention(
 
     def validate() -> tuple[dict, tuple[MaskSpec, tuple[int, ...]]]:
         items, mask = _validate(q, k, v, plan, uly, ring, mask_options, True, backend, where)
-        cu = _check_joint(q, k, v, joint_q, joint_k, joint_v, cu_seqlens_joint_host, plan, mask, where)
+        cu = _check_joint(q, k, v, joint_q, joint_k, joint_v, cu_seqlens_joint_host, plan, where)
         return {**items, "cu_seqlens_joint_host": cu, "return_lse": return_lse}, (mask, cu)
 
     mask, cu_joint = mesh_check(uly, ring, where, device, validate)
