@@ -543,7 +543,63 @@ def case_mesh_errors_and_one_bad_rank(group: Any) -> None:
         joint_varlen_attention(q, k, v, text, text, text, [0] * len(LENS_Q) + [5], plan, mesh=mesh)
 
 
+def case_flux_matches_single_process(group: Any, *, mesh: str, masked: bool) -> None:
+    """A tiny Flux transformer with its image tokens sharded over the mesh (PackedJointAttnProcessor with
+    parallel=) against the whole batch in one process with diffusers' default processor: each rank's
+    output rows, its image-input gradient rows, and the weight and text-input gradients summed over ranks."""
+    from packattn.integrations.diffusers import PackedJointAttnProcessor, SequenceParallel
+
+    from . import test_integrations_diffusers as fx
+
+    uly, ring, _, _ = _mesh(mesh)
+    side = 4  # 16 image tokens: 4 per rank at world size 4
+    lengths = fx.PROMPT_LENGTHS if masked else [5, 5]
+    data, ids = fx.Batch.make(lengths, image_tokens=side * side), fx.image_ids(side, side)
+    data.image.requires_grad_()
+    data.text.requires_grad_()
+    weights = torch.randn(data.image.shape, generator=torch.Generator().manual_seed(3))
+    reference = fx.flux()
+    want = fx.run(reference, data, mask=data.joint_mask[:, None, None] if masked else None, img_ids=ids)
+    (want * weights).sum().backward()
+    want_image, want_text = data.image.grad, data.text.grad
+    data.image.grad = data.text.grad = None
+
+    sp = SequenceParallel.build(len(lengths), side * side, ulysses_group=uly, ring_group=ring)
+    model = fx.flux()
+    model.set_attn_processor(PackedJointAttnProcessor(parallel=sp))
+    text_len = data.text.shape[1]
+    local = fx.Batch(
+        sp.shard(data.image), data.text, data.pooled, data.timestep, data.joint_mask[:, : text_len + sp.local_tokens]
+    )
+    got = fx.run(model, local, mask=local.joint_mask if masked else None, img_ids=sp.shard(ids, dim=0))
+    torch.testing.assert_close(got, sp.shard(want), **fx.TOL)
+    (got * sp.shard(weights)).sum().backward()
+    # Each rank's image gradient is its own rows (zero elsewhere); the text gradient is this rank's share.
+    for grad, expected in ((data.image.grad, want_image), (data.text.grad, want_text)):
+        total = grad.clone()
+        dist.all_reduce(total, group=group)
+        torch.testing.assert_close(total, expected, **fx.TOL)
+    torch.testing.assert_close(sp.shard(data.image.grad), sp.shard(want_image), **fx.TOL)
+    ref, checked = dict(reference.named_parameters()), 0
+    for name, p in model.named_parameters():
+        if ref[name].grad is not None:
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            torch.testing.assert_close(grad, ref[name].grad, **fx.TOL, msg=lambda m, n=name: f"{n}: {m}")
+            checked += 1
+    assert checked > 20
+    with torch.no_grad():
+        torch.testing.assert_close(sp.gather(got, group=group), want, **fx.TOL)
+        bad = local.joint_mask.clone()
+        bad[:, -1] = False
+        with pytest.raises(ValueError, match="may mark text padding only"):
+            fx.run(model, local, mask=bad, img_ids=sp.shard(ids, dim=0))
+        with pytest.raises(ValueError, match=r"parallel's plan is for \d images of 16 tokens"):
+            fx.run(model, data, img_ids=ids)  # not sharded
+
+
 CASES = {
+    "flux": case_flux_matches_single_process,
     "mesh_errors": case_mesh_errors_and_one_bad_rank,
     "usp_one_dimension": case_usp_with_one_dimension_is_ring_or_ulysses,
     "joint": case_joint_matches_single_process,
@@ -679,3 +735,9 @@ def test_joint_attention_dtypes(cluster, dtype):
 
 def test_mesh_errors_and_one_bad_rank(cluster):
     cluster.run("mesh_errors", "ws4")
+
+
+@pytest.mark.parametrize(("mesh", "masked"), [("u2r2", True), ("u2r1", False), ("u1r2", True)])
+def test_flux_with_sequence_parallel_matches_single_process(cluster, mesh, masked):
+    pytest.importorskip("diffusers")
+    cluster.run("flux", MESHES[mesh][0], mesh=mesh, masked=masked)

@@ -41,35 +41,41 @@ class Batch:
     joint_mask: torch.Tensor  # (B, text + image) bool
 
     @staticmethod
-    def make(lengths: list[int], *, pad_value: float | None = None) -> Batch:
+    def make(lengths: list[int], *, pad_value: float | None = None, image_tokens: int = HEIGHT * WIDTH) -> Batch:
         gen = torch.Generator().manual_seed(1)
         batch, width = len(lengths), max(lengths)
         text = torch.randn(batch, width, TEXT_DIM, generator=gen)
         text_mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
         if pad_value is not None:
             text[~text_mask] = pad_value
-        image = torch.randn(batch, HEIGHT * WIDTH, CHANNELS, generator=gen)
-        joint = torch.cat([text_mask, torch.ones(batch, HEIGHT * WIDTH, dtype=torch.bool)], dim=1)
+        image = torch.randn(batch, image_tokens, CHANNELS, generator=gen)
+        joint = torch.cat([text_mask, torch.ones(batch, image_tokens, dtype=torch.bool)], dim=1)
         return Batch(
             image, text, torch.randn(batch, POOLED_DIM, generator=gen), torch.rand(batch, generator=gen), joint
         )
 
 
-def image_ids() -> torch.Tensor:
-    ids = torch.zeros(HEIGHT * WIDTH, 3)
-    ids[:, 1] = torch.arange(HEIGHT).repeat_interleave(WIDTH)
-    ids[:, 2] = torch.arange(WIDTH).repeat(HEIGHT)
+def image_ids(height: int = HEIGHT, width: int = WIDTH) -> torch.Tensor:
+    ids = torch.zeros(height * width, 3)
+    ids[:, 1] = torch.arange(height).repeat_interleave(width)
+    ids[:, 2] = torch.arange(width).repeat(height)
     return ids
 
 
-def run(model: FluxTransformer2DModel, data: Batch, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+def run(
+    model: FluxTransformer2DModel,
+    data: Batch,
+    *,
+    mask: torch.Tensor | None = None,
+    img_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     kwargs = None if mask is None else {"attention_mask": mask}
     return model(
         hidden_states=data.image,
         encoder_hidden_states=data.text,
         pooled_projections=data.pooled,
         timestep=data.timestep,
-        img_ids=image_ids(),
+        img_ids=image_ids() if img_ids is None else img_ids,
         txt_ids=torch.zeros(data.text.shape[1], 3),
         joint_attention_kwargs=kwargs,
     ).sample
@@ -159,3 +165,8 @@ def test_refuses_masks_that_are_not_boolean_key_padding_masks() -> None:
         square = data.joint_mask[:, None, :, None] & data.joint_mask[:, None, None, :]
         with pytest.raises(ValueError, match="joint sequence"):
             run(model, data, mask=square)
+
+
+def test_parallel_must_be_a_sequence_parallel() -> None:
+    with pytest.raises(TypeError, match="parallel must be a SequenceParallel or None, got dict"):
+        PackedJointAttnProcessor(parallel={"mesh": None})  # type: ignore[arg-type]

@@ -19,7 +19,6 @@ from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 
 from ..api import check_call, varlen_attention
 from ..errors import InputTypeError
@@ -279,13 +278,29 @@ def _check_joint(
     return cu
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce sum over one group; the gradient of every rank's input is the sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 def _all_reduce(x: torch.Tensor, dims: Sequence[Ring], op: Any = None) -> torch.Tensor:
-    """Sum (differentiable: the gradient is the sum too) or, with ``op``, another reduction (no gradient)
-    over every rank of the mesh."""
+    """Sum (differentiable) or, with ``op``, another reduction (no gradient) over every rank of the mesh."""
     for d in dims:
         if d.size > 1:
             if op is None:
-                x = dist_nn.all_reduce(x, group=d.group)
+                x = _SumOverRanks.apply(x, d.group)
             else:
                 x = x.clone()
                 dist.all_reduce(x, op=op, group=d.group)

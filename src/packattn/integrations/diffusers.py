@@ -15,28 +15,105 @@ joint sequence ``[text, image]`` through ``joint_attention_kwargs={"attention_ma
 Each sample's real tokens (its prompt and its image) then become one sequence of a packed batch: no padding
 is attended and none is computed. The outputs at padding positions are 0. Without a mask every sample is one
 sequence, its offsets taken from the shapes (no device sync).
+
+Sequence parallelism: ``PackedJointAttnProcessor(parallel=SequenceParallel.build(batch, image_tokens,
+mesh=mesh))`` on every rank, where each rank runs the model on its share of every image's tokens
+(``sp.shard(latents)``, ``img_ids=sp.shard(img_ids, dim=0)``) and the whole prompt. The image tokens
+attend through ring and/or Ulysses attention on the mesh (:func:`packattn.distributed.joint_varlen_attention`),
+the text tokens, which every rank holds whole, never travel; each rank's image output is its rows of the
+single-process result (``sp.gather(out)`` puts them together). A mask then covers ``[text, local image]``
+(the image tokens are all real). In training, gradients of weights summed over the ranks (an all-reduce,
+as for data parallelism) are the single-process gradients.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..distributed import ShardPlan, joint_varlen_attention
+from ..distributed.mesh import mesh_dimensions
 from ..errors import InputTypeError
 from ._packing import Rows, attend_padded, attend_rows, marked_rows, memo
 
-__all__ = ["PackedJointAttnProcessor"]
+__all__ = ["PackedJointAttnProcessor", "SequenceParallel"]
 
 _WHERE = "PackedJointAttnProcessor"
 
 
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Every image's tokens sharded over the ranks of a ``ring x ulysses`` mesh (see the module docstring).
+
+    ``plan`` describes the batch as ``batch`` sequences of ``image_tokens`` image tokens each; build it
+    with :meth:`build`. ``mesh`` / ``ulysses_group`` / ``ring_group`` are those of
+    :func:`packattn.distributed.usp_varlen_attention`.
+    """
+
+    plan: ShardPlan
+    mesh: Any = None
+    ulysses_group: Any = None
+    ring_group: Any = None
+
+    @staticmethod
+    def build(
+        batch: int,
+        image_tokens: int,
+        *,
+        mesh: Any = None,
+        ulysses_group: Any = None,
+        ring_group: Any = None,
+        balance: str = "zigzag",
+    ) -> SequenceParallel:
+        """The plan of this rank for ``batch`` images of ``image_tokens`` tokens. ``"zigzag"`` and
+        ``"contiguous"`` hold the same work here (no causal mask); contiguous keeps each rank's tokens
+        one run."""
+        uly, ring = mesh_dimensions(mesh, ulysses_group, ring_group, "SequenceParallel.build")
+        cu = [image_tokens * b for b in range(batch + 1)]
+        plan = ShardPlan.build(
+            cu,
+            cu,
+            world_size=uly.size * ring.size,
+            rank=ring.rank * uly.size + uly.rank,
+            balance=balance,  # type: ignore[arg-type]
+            ulysses_degree=uly.size,
+        )
+        return SequenceParallel(plan, mesh, ulysses_group, ring_group)
+
+    @property
+    def local_tokens(self) -> int:
+        """Image tokens of each image on this rank."""
+        return self.plan.cu_seqlens_q_host[1]
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's image tokens of ``x`` along ``dim``: ``(B, image_tokens, C)`` latents, or the
+        ``(image_tokens, 3)`` ids with ``dim=0``."""
+        positions = self.plan.positions()[: self.local_tokens].to(x.device)
+        return x.index_select(dim, positions)
+
+    def gather(self, x_local: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+        """Every rank's ``(B, local_tokens, ...)`` into ``(B, image_tokens, ...)``: collective over ``group``,
+        whose ranks must be the plan's ranks in order (None: the default group, as for a mesh over the
+        whole world)."""
+        batch = self.plan.batch
+        whole = self.plan.unshard_q(x_local.flatten(0, 1), group=group)
+        return whole.view(batch, -1, *whole.shape[1:])
+
+
 class PackedJointAttnProcessor:
     """Attention processor for diffusers' ``FluxAttention`` that attends through :func:`packattn.varlen_attention`
-    (see the module docstring for the mask). ``backend`` picks a packattn backend (None: dispatch chooses)."""
+    (see the module docstring for the mask). ``backend`` picks a packattn backend (None: dispatch chooses);
+    ``parallel`` shards the image tokens over ranks (:class:`SequenceParallel`)."""
 
-    def __init__(self, *, backend: str | None = None) -> None:
+    def __init__(self, *, backend: str | None = None, parallel: SequenceParallel | None = None) -> None:
+        if parallel is not None and not isinstance(parallel, SequenceParallel):
+            raise InputTypeError(
+                f"{_WHERE}: parallel must be a SequenceParallel or None, got {type(parallel).__name__}"
+            )
         self.backend = backend
+        self.parallel = parallel
 
     def __call__(
         self,
@@ -60,7 +137,11 @@ class PackedJointAttnProcessor:
         if image_rotary_emb is not None:
             q = rope(q, image_rotary_emb, sequence_dim=1)
             k = rope(k, image_rotary_emb, sequence_dim=1)
-        if attention_mask is None:
+        if self.parallel is not None:
+            # Dual-stream blocks see the image tokens alone, single-stream ones [text, image] already joined.
+            image_len = hidden_states.shape[1] if encoder_hidden_states is not None else self.parallel.local_tokens
+            out = _attend_parallel(q, k, v, image_len, attention_mask, self.parallel, self.backend)
+        elif attention_mask is None:
             out = attend_rows(q, k, v, backend=self.backend)
         else:
             _check_mask(attention_mask, q.shape[0], q.shape[1])
@@ -85,6 +166,65 @@ def _project(attn: Any, x: torch.Tensor, names: tuple[str, ...]) -> list[torch.T
     else:
         qkv = tuple(getattr(attn, name)(x) for name in names[1:])
     return [t.unflatten(-1, (-1, attn.head_dim)) for t in qkv]
+
+
+def _attend_parallel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    image_len: int,
+    mask: torch.Tensor | None,
+    sp: SequenceParallel,
+    backend: str | None,
+) -> torch.Tensor:
+    """``(B, text + local image, H, D)``: the image tokens through the mesh, the text tokens as joint tokens."""
+    batch, text_len = q.shape[0], q.shape[1] - image_len
+    _check_parallel(sp, batch, q.shape[1], image_len)
+    text_q, image_q = q.split_with_sizes([text_len, image_len], dim=1)
+    text_k, image_k = k.split_with_sizes([text_len, image_len], dim=1)
+    text_v, image_v = v.split_with_sizes([text_len, image_len], dim=1)
+    texts = [t.flatten(0, 1) for t in (text_q, text_k, text_v)]
+    if mask is None:
+        cu_text = [text_len * b for b in range(batch + 1)]
+    else:
+        _check_mask(mask, batch, q.shape[1])
+        rows, cu = memo(_text_rows, mask, text_len)
+        texts = [t.index_select(0, rows) for t in texts]
+        cu_text = cu.host
+    image_out, text_out = joint_varlen_attention(
+        *(t.flatten(0, 1) for t in (image_q, image_k, image_v)),
+        *texts,
+        cu_text,
+        sp.plan,
+        mesh=sp.mesh,
+        ulysses_group=sp.ulysses_group,
+        ring_group=sp.ring_group,
+        backend=backend,
+    )
+    if mask is not None:
+        text_out = text_out.new_zeros(batch * text_len, *text_out.shape[1:]).index_copy(0, rows, text_out)
+    return torch.cat([text_out.unflatten(0, (batch, text_len)), image_out.unflatten(0, (batch, image_len))], dim=1)
+
+
+def _check_parallel(sp: SequenceParallel, batch: int, length: int, image_len: int) -> None:
+    plan = sp.plan
+    if plan.batch != batch or image_len != sp.local_tokens or length < image_len:
+        raise ValueError(
+            f"{_WHERE}: parallel's plan is for {plan.batch} images of {plan.global_cu_seqlens_q[1]} tokens, of which "
+            f"this rank holds {sp.local_tokens}; got {batch} images of {image_len} tokens ({length} text + image "
+            "tokens): shard the latents and img_ids with SequenceParallel.shard"
+        )
+
+
+def _text_rows(mask: torch.Tensor, text_len: int) -> Rows:
+    """The real text tokens of a ``[text, local image]`` mask, whose image part must be all True."""
+    mask = mask.reshape(mask.shape[0], -1)
+    if not bool(mask[:, text_len:].all()):
+        raise ValueError(
+            f"{_WHERE}: with parallel=, attention_mask may mark text padding only: the image tokens (its last "
+            f"{mask.shape[1] - text_len} columns) must all be True"
+        )
+    return marked_rows(mask[:, :text_len])
 
 
 def _mask_rows(mask: torch.Tensor) -> Rows:
