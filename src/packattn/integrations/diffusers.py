@@ -180,20 +180,23 @@ def _attend_parallel(
     """``(B, text + local image, H, D)``: the image tokens through the mesh, the text tokens as joint tokens."""
     batch, text_len = q.shape[0], q.shape[1] - image_len
     _check_parallel(sp, batch, q.shape[1], image_len)
-    text_q, image_q = q.split_with_sizes([text_len, image_len], dim=1)
-    text_k, image_k = k.split_with_sizes([text_len, image_len], dim=1)
-    text_v, image_v = v.split_with_sizes([text_len, image_len], dim=1)
-    texts = [t.flatten(0, 1) for t in (text_q, text_k, text_v)]
+    parts = [t.split_with_sizes([text_len, image_len], dim=1) for t in (q, k, v)]
+    text_q, text_k, text_v = (text.flatten(0, 1) for text, _ in parts)
+    image_q, image_k, image_v = (image.flatten(0, 1) for _, image in parts)
     if mask is None:
         cu_text = [text_len * b for b in range(batch + 1)]
     else:
         _check_mask(mask, batch, q.shape[1])
         rows, cu = memo(_text_rows, mask, text_len)
-        texts = [t.index_select(0, rows) for t in texts]
+        text_q, text_k, text_v = (t.index_select(0, rows) for t in (text_q, text_k, text_v))
         cu_text = cu.host
     image_out, text_out = joint_varlen_attention(
-        *(t.flatten(0, 1) for t in (image_q, image_k, image_v)),
-        *texts,
+        image_q,
+        image_k,
+        image_v,
+        text_q,
+        text_k,
+        text_v,
         cu_text,
         sp.plan,
         mesh=sp.mesh,
