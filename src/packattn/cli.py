@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     b.add_argument(
-        "--distributed", action="store_true", help="ring and Ulysses overhead vs one process (spawns gloo processes)"
+        "--distributed",
+        action="store_true",
+        help="ring, Ulysses and mesh overhead vs one process (spawns gloo processes)",
     )
     b.add_argument("--world-size", type=int, default=2, help="processes for --distributed (default 2)")
     args = parser.parse_args(argv)

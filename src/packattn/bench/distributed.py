@@ -1,4 +1,4 @@
-"""Sequence-parallel overhead: ring and Ulysses attention against one process doing the same work.
+"""Sequence-parallel overhead: ring, Ulysses and 2-D mesh attention against one process doing the same work.
 
 Each of ``W`` processes runs with 1 thread (gloo on CPU), so ``W`` processes together have ``W`` times the
 compute of the single-process baseline, :func:`packattn.varlen_attention` at 1 thread on the whole batch.
@@ -7,7 +7,8 @@ relative to one process. 1.0 is perfect scaling; above that is the price of comm
 per-block dispatch and load imbalance. ``t_parallel`` is the slowest rank's time, median over repeats.
 Before timing a method, every rank checks its output rows against single-process attention (float64 as
 the truth, float32 as the baseline error, with :func:`packattn.testing.assert_close_to_oracle`); a wrong
-result raises on every rank instead of being timed.
+result raises on every rank instead of being timed. Every mesh ``U x R`` with ``1 < U < W`` (Ulysses inside
+groups of ``U`` consecutive ranks, ring across them) is measured too, e.g. ``usp 2x2`` at ``W = 4``.
 
 Launch with torchrun (one process per rank; ``--nproc_per_node`` sets the world size)::
 
@@ -21,6 +22,7 @@ or let it spawn its own gloo processes on this machine::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import varlen_attention
-from ..distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention
+from ..distributed import ShardPlan, ring_varlen_attention, ulysses_varlen_attention, usp_varlen_attention
 from ..distributed.plan import Balance
 from ..testing import assert_close_to_oracle
 
@@ -133,9 +135,21 @@ def _check(name: str, out: torch.Tensor, plan: ShardPlan, reference: tuple[torch
     wrong = [r for r, f in enumerate(flags) if int(f)]
     if wrong:
         raise RuntimeError(
-            f"{name}_varlen_attention gives a wrong result on ranks {wrong}, so it is not timed: expected "
+            f"{name} gives a wrong result on ranks {wrong}, so it is not timed: expected "
             "each rank's rows of single-process varlen_attention" + (f"; {error}" if error else "")
         )
+
+
+def _meshes(w: int, rank: int) -> list[tuple[str, Callable[..., torch.Tensor], int]]:
+    """Every ``U x R`` mesh with ``1 < U < W``: (name, attention on it, U). Collective (new groups)."""
+    meshes: list[tuple[str, Callable[..., torch.Tensor], int]] = []
+    for u in (d for d in range(2, w) if w % d == 0):
+        r = w // u
+        ulysses = [dist.new_group([i * u + j for j in range(u)]) for i in range(r)]
+        rings = [dist.new_group([i * u + j for i in range(r)]) for j in range(u)]
+        fn = functools.partial(usp_varlen_attention, ulysses_group=ulysses[rank // u], ring_group=rings[rank % u])
+        meshes.append((f"usp {u}x{r}", fn, u))
+    return meshes
 
 
 def measure(s: Setting) -> list[Result]:
@@ -151,15 +165,18 @@ def measure(s: Setting) -> list[Result]:
     dist.broadcast(single, 0)
     t_single = float(single[0])
     results = [Result("varlen_attention, 1 process", 1, t_single, 1.0)]
-    plan = ShardPlan.build(cu, cu, world_size=w, rank=rank, balance=s.balance)
-    local = (plan.shard_q(q), plan.shard_k(k), plan.shard_k(v))
-    reference = _reference_rows(plan, s, q, k, v)
-    for name, fn in METHODS.items():
+    methods: list[tuple[str, Callable[..., torch.Tensor], int]] = [
+        (f"{name}_varlen_attention", fn, 1) for name, fn in METHODS.items()
+    ]
+    methods += _meshes(w, rank)
+    for name, fn, ulysses_degree in methods:
+        plan = ShardPlan.build(cu, cu, world_size=w, rank=rank, balance=s.balance, ulysses_degree=ulysses_degree)
+        local = (plan.shard_q(q), plan.shard_k(k), plan.shard_k(v))
         with torch.no_grad():
-            _check(name, fn(*local, plan=plan, causal=s.causal), plan, reference)
+            _check(name, fn(*local, plan=plan, causal=s.causal), plan, _reference_rows(plan, s, q, k, v))
         run = _step(fn, local, s.backward, plan=plan, causal=s.causal)
         t = _time(run, s.repeats, together=True)
-        results.append(Result(f"{name}_varlen_attention", w, t, w * t / t_single))
+        results.append(Result(name, w, t, w * t / t_single))
     return results
 
 
