@@ -51,3 +51,18 @@ def test_device_defaults_leave_out_cuda_only_peers(capsys):
         assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "forward + backward" in out and "torch.mm ceilings in this run: fp32 100.0 GFLOP/s" in out
+
+
+def test_distributed_bytes_sent_per_rank():
+    """The printed communication volume, by hand for the bench batch (4736 tokens, heads 8/2, D=64, fp32) at
+    W = 4: the ring sends its keys and values 3 times; Ulysses three quarters of its q, k (2 KV
+    heads repeated to 4), v and output rows; the 2 x 2 mesh half of them over 2 ranks, then the 2-head
+    group keys once around the ring of 2."""
+    from packattn.bench.distributed import Setting, sent_megabytes
+
+    s, rows = Setting(), 4736 // 4
+    assert sent_megabytes(s, 4, 1) == pytest.approx(3 * rows * 2 * 2 * 64 * 4 / 1e6)
+    assert sent_megabytes(s, 4, 4) == pytest.approx(0.75 * rows * (8 + 4 + 4 + 8) * 64 * 4 / 1e6)
+    uly, ring = 0.5 * rows * (8 + 2 + 2 + 8) * 64, 1 * (4736 // 2) * 1 * 2 * 64
+    assert sent_megabytes(s, 4, 2) == pytest.approx((uly + ring) * 4 / 1e6)
+    assert sent_megabytes(s, 1, 1) == 0

@@ -405,7 +405,7 @@ def case_benchmark_rejects_a_wrong_result(group: Any) -> None:
         return out * 1.01 if dist.get_rank() == 1 else out
 
     wrong = r"ring_varlen_attention gives a wrong result on ranks \[1\], so it is not timed"
-    with mock.patch.dict(bench.METHODS, {"ring": off_on_rank_1}), pytest.raises(RuntimeError, match=wrong):
+    with mock.patch.dict(bench.METHODS, {"ring": (off_on_rank_1, False)}), pytest.raises(RuntimeError, match=wrong):
         measure(Setting(lengths=(64, 40), repeats=1))
 
 

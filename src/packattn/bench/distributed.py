@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import statistics
 import tempfile
@@ -40,7 +41,8 @@ from ..distributed.plan import Balance
 from ..testing import assert_close_to_oracle
 
 DEFAULT_LENGTHS = (2048, 1024, 768, 512, 256, 128)
-METHODS = {"ring": ring_varlen_attention, "ulysses": ulysses_varlen_attention}
+# name -> (attention, whether it exchanges heads over the whole group: the Ulysses degree is W, else 1)
+METHODS = {"ring": (ring_varlen_attention, False), "ulysses": (ulysses_varlen_attention, True)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,19 @@ class Result:
     world_size: int
     median_ms: float
     overhead: float  # world_size * median_ms / single-process median_ms
+    sent_mb: float = 0.0  # forward: bytes each rank sends per call (mean over ranks), MB
+
+
+def sent_megabytes(s: Setting, world_size: int, ulysses_degree: int) -> float:
+    """Forward bytes each rank sends per call, on average, on a ``U x R`` mesh (``U = 1``: the ring;
+    ``U = W``: Ulysses), from the algorithm: Ulysses sends ``(U - 1) / U`` of its rows of q, k, v (KV heads
+    repeated to a multiple of ``U``) and of the output; the ring sends its group's keys and values, ``Hkv / U``
+    of the heads, ``R - 1`` times. The backward sends about twice as much again (ring: fp32 dK/dV travel too)."""
+    u, r, tokens, fp32 = ulysses_degree, world_size // ulysses_degree, sum(s.lengths), 4
+    kv_heads = s.heads_kv * (u // math.gcd(s.heads_kv, u))
+    a2a = (u - 1) / u * tokens / world_size * (2 * s.heads_q + 2 * kv_heads) * s.head_dim
+    ring = (r - 1) * tokens / r * kv_heads / u * 2 * s.head_dim
+    return (a2a + ring) * fp32 / 1e6
 
 
 def _tensors(s: Setting) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,15 +155,18 @@ def _check(name: str, out: torch.Tensor, plan: ShardPlan, reference: tuple[torch
         )
 
 
-def _meshes(w: int, rank: int) -> list[tuple[str, Callable[..., torch.Tensor], int]]:
-    """Every ``U x R`` mesh with ``1 < U < W``: (name, attention on it, U). Collective (new groups)."""
-    meshes: list[tuple[str, Callable[..., torch.Tensor], int]] = []
+Method = tuple[str, Callable[..., torch.Tensor], int, int]  # name, attention, the plan's and the mesh's U
+
+
+def _meshes(w: int, rank: int) -> list[Method]:
+    """Every ``U x R`` mesh with ``1 < U < W``. Collective (new groups)."""
+    meshes: list[Method] = []
     for u in (d for d in range(2, w) if w % d == 0):
         r = w // u
         ulysses = [dist.new_group([i * u + j for j in range(u)]) for i in range(r)]
         rings = [dist.new_group([i * u + j for i in range(r)]) for j in range(u)]
         fn = functools.partial(usp_varlen_attention, ulysses_group=ulysses[rank // u], ring_group=rings[rank % u])
-        meshes.append((f"usp {u}x{r}", fn, u))
+        meshes.append((f"usp {u}x{r}", fn, u, u))
     return meshes
 
 
@@ -165,28 +183,34 @@ def measure(s: Setting) -> list[Result]:
     dist.broadcast(single, 0)
     t_single = float(single[0])
     results = [Result("varlen_attention, 1 process", 1, t_single, 1.0)]
-    methods: list[tuple[str, Callable[..., torch.Tensor], int]] = [
-        (f"{name}_varlen_attention", fn, 1) for name, fn in METHODS.items()
+    methods: list[Method] = [
+        (f"{name}_varlen_attention", fn, 1, w if heads else 1) for name, (fn, heads) in METHODS.items()
     ]
     methods += _meshes(w, rank)
-    for name, fn, ulysses_degree in methods:
-        plan = ShardPlan.build(cu, cu, world_size=w, rank=rank, balance=s.balance, ulysses_degree=ulysses_degree)
+    for name, fn, plan_degree, ulysses_degree in methods:
+        plan = ShardPlan.build(cu, cu, world_size=w, rank=rank, balance=s.balance, ulysses_degree=plan_degree)
         local = (plan.shard_q(q), plan.shard_k(k), plan.shard_k(v))
         with torch.no_grad():
             _check(name, fn(*local, plan=plan, causal=s.causal), plan, _reference_rows(plan, s, q, k, v))
         run = _step(fn, local, s.backward, plan=plan, causal=s.causal)
         t = _time(run, s.repeats, together=True)
-        results.append(Result(name, w, t, w * t / t_single))
+        results.append(Result(name, w, t, w * t / t_single, sent_megabytes(s, w, ulysses_degree)))
     return results
 
 
 def report(s: Setting, results: list[Result]) -> str:
     lines = [f"packattn sequence parallel, gloo, 1 thread per process, torch {torch.__version__}: {s.describe()}"]
-    lines.append(f"{'implementation':<30}{'ranks':>6}{'median ms':>12}{'speedup':>9}{'overhead':>10}")
+    lines.append(
+        f"{'implementation':<30}{'ranks':>6}{'median ms':>12}{'speedup':>9}{'overhead':>10}{'fwd MB/rank':>13}"
+    )
     base = results[0].median_ms
     for r in results:
-        lines.append(f"{r.name:<30}{r.world_size:>6}{r.median_ms:>12.1f}{base / r.median_ms:>9.2f}{r.overhead:>10.2f}")
+        lines.append(
+            f"{r.name:<30}{r.world_size:>6}{r.median_ms:>12.1f}{base / r.median_ms:>9.2f}{r.overhead:>10.2f}"
+            f"{r.sent_mb:>13.2f}"
+        )
     lines.append("overhead = ranks * median / single-process median (1.00 = perfect scaling)")
+    lines.append("fwd MB/rank = bytes each rank sends in one forward call (mean over ranks)")
     return "\n".join(lines)
 
 
