@@ -598,6 +598,10 @@ def case_flux_matches_single_process(group: Any, *, mesh: str, masked: bool) -> 
         bad[:, -1] = False
         with pytest.raises(ValueError, match="may mark text padding only"):
             fx.run(model, local, mask=bad, img_ids=sp.shard(ids, dim=0))
+        with pytest.raises(ValueError, match="x must have the 16 image tokens along dim 1, got"):
+            sp.shard(local.image)
+        with pytest.raises(ValueError, match="image_tokens must be >= 1, got 0"):
+            SequenceParallel.build(2, 0, ulysses_group=uly, ring_group=ring)
         with pytest.raises(ValueError, match=r"parallel's plan is for \d images of 16 tokens"):
             fx.run(model, data, img_ids=ids)  # not sharded
 

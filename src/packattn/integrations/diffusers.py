@@ -70,7 +70,13 @@ class SequenceParallel:
         """The plan of this rank for ``batch`` images of ``image_tokens`` tokens. ``"zigzag"`` and
         ``"contiguous"`` hold the same work here (no causal mask); contiguous keeps each rank's tokens
         one run."""
-        uly, ring = mesh_dimensions(mesh, ulysses_group, ring_group, "SequenceParallel.build")
+        where = "SequenceParallel.build"
+        for name, value in (("batch", batch), ("image_tokens", image_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InputTypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{where}: {name} must be >= 1, got {value}")
+        uly, ring = mesh_dimensions(mesh, ulysses_group, ring_group, where)
         cu = [image_tokens * b for b in range(batch + 1)]
         plan = ShardPlan.build(
             cu,
@@ -90,6 +96,12 @@ class SequenceParallel:
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's image tokens of ``x`` along ``dim``: ``(B, image_tokens, C)`` latents, or the
         ``(image_tokens, 3)`` ids with ``dim=0``."""
+        tokens = self.plan.global_cu_seqlens_q[1]
+        if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim() or x.shape[dim] != tokens:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"SequenceParallel.shard: x must have the {tokens} image tokens along dim {dim}, got {got}"
+            )
         positions = self.plan.positions()[: self.local_tokens].to(x.device)
         return x.index_select(dim, positions)
 
