@@ -606,8 +606,86 @@ def case_flux_matches_single_process(group: Any, *, mesh: str, masked: bool) -> 
             fx.run(model, data, img_ids=ids)  # not sharded
 
 
+def _summed_gradients_match(model: Any, reference: Any, group: Any) -> None:
+    """Every parameter gradient of ``model`` summed over ``group`` against ``reference``'s."""
+    from . import test_integrations_diffusers as fx
+
+    ref, checked = dict(reference.named_parameters()), 0
+    for name, p in model.named_parameters():
+        if ref[name].grad is not None:
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            torch.testing.assert_close(grad, ref[name].grad, **fx.TOL, msg=lambda m, n=name: f"{n}: {m}")
+            checked += 1
+    assert checked > 20
+
+
+def case_attach_matches_single_process(group: Any, *, mesh: str, model: str, per_token_timestep: bool = False) -> None:
+    """SequenceParallel.attach on a tiny Wan (video) or Flux transformer given the whole batch, against
+    the same model with diffusers' default processor in one process: the output on every rank, and with the
+    same loss on every rank, the input and weight gradients summed over the ranks."""
+    from packattn.integrations.diffusers import SequenceParallel
+
+    from . import test_integrations_diffusers as fx
+
+    uly, ring, _, _ = _mesh(mesh)
+    gen = torch.Generator().manual_seed(3)
+    if model == "wan":
+        data, make = fx.Video.make(), fx.wan
+        inputs = [data.latents]
+        # Wan 2.2's per-token timesteps (B, S), split with the tokens; else one per sample.
+        t = torch.rand(2, fx.VIDEO_TOKENS, generator=gen) * 1000 if per_token_timestep else data.timestep
+        tokens = fx.VIDEO_TOKENS
+
+        def forward(m: Any) -> torch.Tensor:
+            return data.run(m, t)
+    else:
+        side = 4  # 16 image tokens: 4 per rank at world size 4
+        flux, ids, make = fx.Batch.make(fx.PROMPT_LENGTHS, image_tokens=side * side), fx.image_ids(side, side), fx.flux
+        inputs = [flux.image, flux.text]
+        tokens = side * side
+
+        def forward(m: Any) -> torch.Tensor:  # the mask over [text, the whole image]
+            return fx.run(m, flux, mask=flux.joint_mask[:, None, None], img_ids=ids)
+
+    for x in inputs:
+        x.requires_grad_()
+    reference = make()
+    want = forward(reference)
+    weights = torch.randn(want.shape, generator=gen)
+    (want * weights).sum().backward()
+    want_grads = [x.grad for x in inputs]
+    for x in inputs:
+        x.grad = None
+
+    batch = 2 if model == "wan" else len(fx.PROMPT_LENGTHS)
+    sp = SequenceParallel.build(batch, tokens, ulysses_group=uly, ring_group=ring)
+    split = make()
+    hooks = sp.attach(split, group=group)
+    got = forward(split)
+    torch.testing.assert_close(got, want, **fx.TOL)
+    (got * weights).sum().backward()  # the same loss on every rank
+    for x, expected in zip(inputs, want_grads, strict=True):
+        total = x.grad.clone()
+        dist.all_reduce(total, group=group)
+        torch.testing.assert_close(total, expected, **fx.TOL)
+    _summed_gradients_match(split, reference, group)
+
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="FluxTransformer2DModel or WanTransformer3DModel, got Linear"):
+            sp.attach(torch.nn.Linear(2, 2))
+        if model == "wan":
+            short = fx.Video(data.latents[:, :, :1], data.text, data.timestep)
+            with pytest.raises(ValueError, match=f"x must have the {tokens} image tokens along dim 1, got"):
+                short.run(split)
+        hooks.remove()
+        with pytest.raises(ValueError, match=r"attach the model with SequenceParallel\.attach"):
+            forward(split)  # the processors stay, and now get every token
+
+
 CASES = {
     "flux": case_flux_matches_single_process,
+    "attach": case_attach_matches_single_process,
     "mesh_errors": case_mesh_errors_and_one_bad_rank,
     "usp_one_dimension": case_usp_with_one_dimension_is_ring_or_ulysses,
     "joint": case_joint_matches_single_process,
@@ -749,3 +827,12 @@ def test_mesh_errors_and_one_bad_rank(cluster):
 def test_flux_with_sequence_parallel_matches_single_process(cluster, mesh, masked):
     pytest.importorskip("diffusers")
     cluster.run("flux", MESHES[mesh][0], mesh=mesh, masked=masked)
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "per_token_timestep"),
+    [("wan", "u2r2", False), ("wan", "u2r1", True), ("wan", "u1r2", False), ("flux", "u2r2", False)],
+)
+def test_attach_splits_a_whole_model(cluster, model, mesh, per_token_timestep):
+    pytest.importorskip("diffusers")
+    cluster.run("attach", MESHES[mesh][0], mesh=mesh, model=model, per_token_timestep=per_token_timestep)

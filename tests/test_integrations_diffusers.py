@@ -1,4 +1,4 @@
-"""PackedJointAttnProcessor in a tiny random Flux transformer against the default processor on each sample alone."""
+"""The packattn processors in tiny random Flux and Wan transformers against diffusers' default processors."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
+from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
-from packattn.integrations.diffusers import PackedJointAttnProcessor
+from packattn.integrations.diffusers import PackedJointAttnProcessor, PackedWanAttnProcessor
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}  # float32; the observed differences are ~2e-7
 PROMPT_LENGTHS = [3, 7, 1]
@@ -168,5 +168,102 @@ def test_refuses_masks_that_are_not_boolean_key_padding_masks() -> None:
 
 
 def test_parallel_must_be_a_sequence_parallel() -> None:
-    with pytest.raises(TypeError, match="parallel must be a SequenceParallel or None, got dict"):
-        PackedJointAttnProcessor(parallel={"mesh": None})  # type: ignore[arg-type]
+    for processor in (PackedJointAttnProcessor, PackedWanAttnProcessor):
+        with pytest.raises(TypeError, match="parallel must be a SequenceParallel or None, got dict"):
+            processor(parallel={"mesh": None})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- Wan (video)
+
+VIDEO = (2, 4, 6)  # frames, height, width of the latents: 2 x 2 x 3 = 12 tokens after (1, 2, 2) patches
+VIDEO_TOKENS = 12
+WAN_TEXT_DIM, WAN_IMAGE_DIM = 16, 8
+
+
+def wan(*, image_to_video: bool = False) -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,  # rotary dims 4 (frames) + 4 (height) + 4 (width)
+        in_channels=CHANNELS,
+        out_channels=CHANNELS,
+        text_dim=WAN_TEXT_DIM,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=2,
+        rope_max_seq_len=32,
+        image_dim=WAN_IMAGE_DIM if image_to_video else None,
+        added_kv_proj_dim=24 if image_to_video else None,  # heads x head dim
+    )
+
+
+@dataclass
+class Video:
+    latents: torch.Tensor  # (B, C, frames, height, width)
+    text: torch.Tensor
+    timestep: torch.Tensor
+    image: torch.Tensor | None = None  # the image-to-video context
+
+    @staticmethod
+    def make(batch: int = 2, *, image_to_video: bool = False, text_len: int = 7) -> Video:
+        gen = torch.Generator().manual_seed(1)
+        # The image-to-video models' processors take the last 512 context tokens as the text.
+        text = torch.randn(batch, 512 if image_to_video else text_len, WAN_TEXT_DIM, generator=gen)
+        image = torch.randn(batch, 5, WAN_IMAGE_DIM, generator=gen) if image_to_video else None
+        latents = torch.randn(batch, CHANNELS, *VIDEO, generator=gen)
+        return Video(latents, text, torch.rand(batch, generator=gen) * 1000, image)
+
+    def run(self, model: WanTransformer3DModel, timestep: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.timestep if timestep is None else timestep
+        return model(self.latents, t, self.text, encoder_hidden_states_image=self.image).sample
+
+
+@pytest.mark.parametrize("image_to_video", [False, True], ids=["t2v", "i2v"])
+def test_wan_matches_the_default_processor_forward_and_backward(image_to_video: bool) -> None:
+    reference, packed = wan(image_to_video=image_to_video), wan(image_to_video=image_to_video)
+    data = Video.make(image_to_video=image_to_video)
+    data.latents.requires_grad_()
+    packed.set_attn_processor(PackedWanAttnProcessor(backend="reference"))
+    weights = torch.randn(data.latents.shape, generator=torch.Generator().manual_seed(2))
+    want = data.run(reference)
+    (want * weights).sum().backward()
+    want_grad, data.latents.grad = data.latents.grad, None
+    got = data.run(packed)
+    torch.testing.assert_close(got, want, **TOL)
+    (got * weights).sum().backward()
+    torch.testing.assert_close(data.latents.grad, want_grad, **TOL)
+    ref, checked = dict(reference.named_parameters()), 0
+    for name, p in packed.named_parameters():
+        if ref[name].grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            checked += 1
+    assert checked > 40
+    if image_to_video:  # the image context reaches the output
+        assert packed.blocks[0].attn2.add_k_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("image_to_video", [False, True], ids=["t2v", "i2v"])
+def test_wan_fused_projections_are_the_ones_read(image_to_video: bool) -> None:
+    model, data = wan(image_to_video=image_to_video), Video.make(image_to_video=image_to_video)
+    with torch.no_grad():
+        want = data.run(model)
+        model.set_attn_processor(PackedWanAttnProcessor())
+        model.fuse_qkv_projections()
+        for name, param in model.named_parameters():
+            if name.endswith(("to_k.weight", "to_v.weight", "add_k_proj.weight")):
+                param.zero_()
+        assert model.blocks[0].attn1.fused_projections and model.blocks[0].attn2.fused_projections
+        torch.testing.assert_close(data.run(model), want, **TOL)
+
+
+def test_wan_refuses_an_attention_mask_and_a_short_image_to_video_context() -> None:
+    x, text = torch.randn(1, 3, 24), torch.randn(1, 4, WAN_TEXT_DIM)
+    with pytest.raises(ValueError, match="attention_mask must be None"):
+        PackedWanAttnProcessor()(wan().blocks[0].attn2, x, torch.randn(1, 4, 24), torch.ones(1, 4, dtype=torch.bool))
+    model = wan(image_to_video=True)
+    model.set_attn_processor(PackedWanAttnProcessor())
+    data = Video.make(batch=1, image_to_video=True)
+    data.text = text
+    with torch.no_grad(), pytest.raises(ValueError, match="followed by 512 text tokens, got 9 tokens"):
+        data.run(model)
