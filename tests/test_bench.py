@@ -66,3 +66,9 @@ def test_distributed_bytes_sent_per_rank():
     uly, ring = 0.5 * rows * (8 + 2 + 2 + 8) * 64, 1 * (4736 // 2) * 1 * 2 * 64
     assert sent_megabytes(s, 4, 2) == pytest.approx((uly + ring) * 4 / 1e6)
     assert sent_megabytes(s, 1, 1) == 0
+    # Backward: the same all-to-all shares (dO, dq, dk, dv); the ring's keys and values 3 more times and
+    # their dK/dV 4 times.
+    assert sent_megabytes(s, 4, 1, backward=True) == pytest.approx(7 * rows * 2 * 2 * 64 * 4 / 1e6)
+    assert sent_megabytes(s, 4, 4, backward=True) == sent_megabytes(s, 4, 4)
+    assert sent_megabytes(s, 4, 2, backward=True) == pytest.approx((uly + 3 * ring) * 4 / 1e6)
+    assert sent_megabytes(s, 1, 1, backward=True) == 0

@@ -70,18 +70,22 @@ class Result:
     world_size: int
     median_ms: float
     overhead: float  # world_size * median_ms / single-process median_ms
-    sent_mb: float = 0.0  # forward: bytes each rank sends per call (mean over ranks), MB
+    sent_mb: float = 0.0  # bytes each rank sends in one forward call (mean over ranks), MB
+    sent_backward_mb: float = 0.0  # the same for one backward call
 
 
-def sent_megabytes(s: Setting, world_size: int, ulysses_degree: int) -> float:
-    """Forward bytes each rank sends per call, on average, on a ``U x R`` mesh (``U = 1``: the ring;
-    ``U = W``: Ulysses), from the algorithm: Ulysses sends ``(U - 1) / U`` of its rows of q, k, v (KV heads
-    repeated to a multiple of ``U``) and of the output; the ring sends its group's keys and values, ``Hkv / U``
-    of the heads, ``R - 1`` times. The backward sends about twice as much again (ring: fp32 dK/dV travel too)."""
+def sent_megabytes(s: Setting, world_size: int, ulysses_degree: int, *, backward: bool = False) -> float:
+    """Bytes each rank sends in one forward (or, with ``backward``, one backward) call, on average, on a
+    ``U x R`` mesh (``U = 1``: the ring; ``U = W``: Ulysses), from the algorithm. Forward: Ulysses sends
+    ``(U - 1) / U`` of its rows of q, k, v (KV heads repeated to a multiple of ``U``) and of the output; the
+    ring sends its group's keys and values, ``Hkv / U`` of the heads, ``R - 1`` times. Backward: Ulysses
+    sends the same shares of dO, dq, dk and dv; the ring sends the keys and values ``R - 1`` times again
+    and their fp32 dK/dV accumulators ``R`` times (the last hop returns them to their owner)."""
     u, r, tokens, fp32 = ulysses_degree, world_size // ulysses_degree, sum(s.lengths), 4
     kv_heads = s.heads_kv * (u // math.gcd(s.heads_kv, u))
     a2a = (u - 1) / u * tokens / world_size * (2 * s.heads_q + 2 * kv_heads) * s.head_dim
-    ring = (r - 1) * tokens / r * kv_heads / u * 2 * s.head_dim
+    hops = (r - 1) + (r if backward and r > 1 else 0)
+    ring = hops * tokens / r * kv_heads / u * 2 * s.head_dim
     return (a2a + ring) * fp32 / 1e6
 
 
@@ -194,7 +198,8 @@ def measure(s: Setting) -> list[Result]:
             _check(name, fn(*local, plan=plan, causal=s.causal), plan, _reference_rows(plan, s, q, k, v))
         run = _step(fn, local, s.backward, plan=plan, causal=s.causal)
         t = _time(run, s.repeats, together=True)
-        results.append(Result(name, w, t, w * t / t_single, sent_megabytes(s, w, ulysses_degree)))
+        sent = (sent_megabytes(s, w, ulysses_degree, backward=b) for b in (False, True))
+        results.append(Result(name, w, t, w * t / t_single, *sent))
     return results
 
 
@@ -202,15 +207,16 @@ def report(s: Setting, results: list[Result]) -> str:
     lines = [f"packattn sequence parallel, gloo, 1 thread per process, torch {torch.__version__}: {s.describe()}"]
     lines.append(
         f"{'implementation':<30}{'ranks':>6}{'median ms':>12}{'speedup':>9}{'overhead':>10}{'fwd MB/rank':>13}"
+        f"{'bwd MB/rank':>13}"
     )
     base = results[0].median_ms
     for r in results:
         lines.append(
             f"{r.name:<30}{r.world_size:>6}{r.median_ms:>12.1f}{base / r.median_ms:>9.2f}{r.overhead:>10.2f}"
-            f"{r.sent_mb:>13.2f}"
+            f"{r.sent_mb:>13.2f}{r.sent_backward_mb:>13.2f}"
         )
     lines.append("overhead = ranks * median / single-process median (1.00 = perfect scaling)")
-    lines.append("fwd MB/rank = bytes each rank sends in one forward call (mean over ranks)")
+    lines.append("fwd/bwd MB/rank = bytes each rank sends in one forward/backward call (mean over ranks)")
     return "\n".join(lines)
 
 
