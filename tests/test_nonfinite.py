@@ -122,3 +122,17 @@ def test_non_finite_inputs(backend, place, mask):
         inside = rows if name in ("out", "lse", "dq") else keys
         outside = ~inside
         assert torch.equal(per_row[outside], base[outside]), f"{name}: changed outside its sequence and head group"
+
+
+@pytest.mark.parametrize("backend", [b for b in DEVICE_BACKENDS if supported(b, return_lse=True)])
+@pytest.mark.parametrize("key", [3, 300, 599])  # in the first, a middle and the last of several key tiles
+def test_a_nan_key_in_any_tile_of_a_long_row(backend, key):
+    """A NaN score reaches every query row that sees it, wherever its key lies among a long row's tiles (one
+    in an earlier tile than all finite ones must not be dropped by the running max)."""
+    case = make_case([4, 3], [600, 5], hq=HQ, hkv=HKV, d=D, seed=4)
+    k = case.k.detach().clone()
+    k[key, 1, 0] = float("nan")
+    out, lse = packattn.varlen_attention(case.q, k, case.v, *case.tensors(), backend=backend, return_lse=True)
+    g = HQ // HKV
+    assert out[:4, g:].isnan().all() and lse[g:, :4].isnan().all()  # the query heads of KV head 1
+    assert torch.isfinite(out[:4, :g]).all() and torch.isfinite(out[4:]).all()

@@ -39,7 +39,8 @@ float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
     std::fill(p, p + width, E(0));
     return 1.f;
   }
-  const float m_new = std::max(m, score(row_max(row + c0, c1 - c0)));
+  const float top = score(row_max(row + c0, c1 - c0));
+  const float m_new = std::isnan(top) ? top : std::max(m, top);  // a NaN score makes the row NaN from here on
   if (m_new == kNegInf) {  // every visible score so far -inf (infinite inputs): nothing to add yet
     std::fill(p, p + width, E(0));
     return 1.f;
@@ -73,7 +74,7 @@ void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
   const Seq& s = a.seqs[it.b];
   const Mask& mask = a.mask;
   const Shape& sh = a.sh;
-  const int64_t i0 = it.r0, i1 = it.r1, bq = i1 - i0, rows = sh.g * bq, mp = pad16(rows), d = sh.d, dv = sh.dv;
+  const int64_t i0 = it.r0, i1 = it.r1, bq = i1 - i0, rows = sh.g * bq, mp = a_rows<E>(a.how, rows), d = sh.d, dv = sh.dv;
   const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv);
   load_group(a.q, s, i0, bq, it.h, sh.g, d, dp, w.q);
   std::fill(w.m, w.m + rows, kNegInf);

@@ -158,6 +158,14 @@ inline Bf16Products default_bf16_products() {
   return available(Bf16Products::kDot) && dot_beats_fma() ? Bf16Products::kDot : Bf16Products::kFp32;
 }
 
+// Rows of an A tile of `rows` rows as the products take it: padded to 16 for the matrix units, whose tiles
+// are 16 rows; the other kernels run any count (a decode item has only G rows: padding them would be most of
+// its work).
+template <typename E>
+int64_t a_rows(Bf16Products how, int64_t rows) {
+  return !std::is_same_v<E, float> && how == Bf16Products::kAmx ? pad16(rows) : rows;
+}
+
 // Width of a tile dimension: bf16 tiles pad every dimension to 16 (VNNI), fp32 tiles need none.
 template <typename E>
 int64_t tile_width(int64_t n) {
