@@ -40,6 +40,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # ways, lengths that are no multiple of 16, an empty side, and a sequence whose first rows see no key.
 LONG = ([300, 0, 1, 77, 520], [290, 5, 33, 0, 700])
 
+# Decoded sequences (query rows x query heads per KV head <= 16: here up to 4 rows at G = 4) run as items of
+# every KV head over chunks of 1024 keys, merged afterwards: keys over several chunks and at their edges,
+# chunks that a window hides or leaves partly visible, no keys, no queries, a single key, and one prefill
+# sequence (5 rows) between them, so both kinds of item share a call.
+DECODE = ([1, 2, 4, 1, 0, 3, 5, 1], [3000, 1025, 0, 1024, 50, 2049, 1300, 1])
+
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (5, 1)}
 
@@ -162,7 +168,7 @@ def test_parallel_loops_use_every_thread():
 
 # Many (sequence, KV head) pairs, and 4 of them: with 4 the backward runs its one-pass form on one thread and
 # its two-pass form on two (it needs 4 per thread), which must agree to the bit.
-THREAD_LAYOUTS = {"many": [700, 3, 64, 0, 200, 129], "few": [300, 130]}
+THREAD_LAYOUTS = {"many": ([700, 3, 64, 0, 200, 129],) * 2, "few": ([300, 130],) * 2, "decode": DECODE}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,16 +176,15 @@ THREAD_LAYOUTS = {"many": [700, 3, 64, 0, 200, 129], "few": [300, 130]}
 @pytest.mark.parametrize("layout", THREAD_LAYOUTS)
 def test_one_and_two_threads_give_the_same_bits(dtype, mask, layout):
     """Forward and backward: every output element has one writer and a fixed order of accumulation."""
-    lens = THREAD_LAYOUTS[layout]
     _assert_same_bits_at_any_thread_count(
-        make_case(lens, lens, hq=4, hkv=2, d=32, dtype=DTYPES[dtype], seed=25, requires_grad=True), MASKS[mask]
+        make_case(*THREAD_LAYOUTS[layout], hq=4, hkv=2, d=32, dtype=DTYPES[dtype], seed=25, requires_grad=True),
+        MASKS[mask],
     )
 
 
 @pytest.mark.parametrize("layout", THREAD_LAYOUTS)
 def test_one_and_two_threads_give_the_same_bits_per_bf16_products(bf16_products, layout):
-    lens = THREAD_LAYOUTS[layout]
-    case = make_case(lens, lens, hq=4, hkv=2, d=72, dtype=torch.bfloat16, seed=29, requires_grad=True)
+    case = make_case(*THREAD_LAYOUTS[layout], hq=4, hkv=2, d=72, dtype=torch.bfloat16, seed=29, requires_grad=True)
     _assert_same_bits_at_any_thread_count(case, MASKS["causal"])
 
 
@@ -196,21 +201,37 @@ def _assert_same_bits_at_any_thread_count(case, mask):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_default_cpu_dispatch_picks_it_except_float64_and_decode():
+def test_default_cpu_dispatch_picks_it_except_float64():
     case = make_case([5, 2], [4, 6], dtype=torch.float64)
     assert "cpu_kernel takes float32, bfloat16 or float16 only, got torch.float64" in cpu_kernel.BACKEND.supports(
         case_inputs(case)
     )
     assert dispatch.select(case_inputs(case), None, "test").name == "cpu"
     assert dispatch.PRIORITY["cpu"][:2] == ("cpu_kernel", "cpu")
-    assert dispatch.select(case_inputs(make_case([9, 2], [4, 6])), None, "test").name == "cpu_kernel"
-    # Decode: every sequence's query rows x heads per KV head <= 16 goes to cpu; by name the kernel runs it.
-    decode = case_inputs(make_case([1, 4, 0], [300, 90, 7], hq=8, hkv=2))
-    assert "decode batches" in cpu_kernel.BACKEND.declines(decode)
-    assert dispatch.select(decode, None, "test").name == "cpu"
-    assert dispatch.select(decode, "cpu_kernel", "test").name == "cpu_kernel"
-    mixed = case_inputs(make_case([1, 5, 0], [300, 90, 7], hq=8, hkv=2))
-    assert cpu_kernel.BACKEND.declines(mixed) is None and dispatch.select(mixed, None, "test").name == "cpu_kernel"
+    for lens_q in ([9, 2], [1, 4, 0]):  # prefill, and decode (query rows x heads per KV head <= 16)
+        inp = case_inputs(make_case(lens_q, [300, 90, 7][: len(lens_q)], hq=8, hkv=2))
+        assert dispatch.select(inp, None, "test").name == "cpu_kernel"
+
+
+@pytest.mark.parametrize("mask", [*MASKS, "wide_window"])
+@pytest.mark.parametrize(("heads", "dtype"), [("gqa", "fp32"), ("gqa", "bf16"), ("gqa", "fp16"), ("mqa", "fp32")])
+def test_decode_across_key_chunks(mask, heads, dtype):
+    hq, hkv = HEADS[heads]
+    lens_q = DECODE[0] if heads == "gqa" else [min(n, 3) for n in DECODE[0]]  # G = 5: up to 3 rows decoded
+    case = make_case(lens_q, DECODE[1], hq=hq, hkv=hkv, d=40, dv=24, dtype=DTYPES[dtype], seed=31)
+    check_forward("cpu_kernel", case, **({"window_size": (1500, 0)} if mask == "wide_window" else MASKS[mask]))
+
+
+def test_decode_with_every_bf16_products(bf16_products):
+    case = make_case(*DECODE, hq=8, hkv=2, d=72, dv=136, dtype=torch.bfloat16, seed=32)
+    check_forward("cpu_kernel", case, causal=True)
+    check_forward("cpu_kernel", case, window_size=(1100, 20), softcap=5.0)
+
+
+def test_decode_gradients():
+    """The backward of decoded sequences (from the merged LSE) against the oracle."""
+    case = make_case([1, 3, 2], [1500, 40, 2100], hq=8, hkv=2, d=24, seed=33, requires_grad=True)
+    check_backward("cpu_kernel", case, causal=True)
 
 
 class _Spy:

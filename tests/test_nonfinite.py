@@ -125,14 +125,15 @@ def test_non_finite_inputs(backend, place, mask):
 
 
 @pytest.mark.parametrize("backend", [b for b in DEVICE_BACKENDS if supported(b, return_lse=True)])
-@pytest.mark.parametrize("key", [3, 300, 599])  # in the first, a middle and the last of several key tiles
-def test_a_nan_key_in_any_tile_of_a_long_row(backend, key):
+@pytest.mark.parametrize("key", [3, 1100, 2499])  # in the first, a middle and the last of many key tiles
+@pytest.mark.parametrize("rows", [4, 40])  # decoded (the C++ kernel's chunks of keys, merged) and prefill
+def test_a_nan_key_in_any_tile_of_a_long_row(backend, key, rows):
     """A NaN score reaches every query row that sees it, wherever its key lies among a long row's tiles (one
     in an earlier tile than all finite ones must not be dropped by the running max)."""
-    case = make_case([4, 3], [600, 5], hq=HQ, hkv=HKV, d=D, seed=4)
+    case = make_case([rows, 3], [2500, 5], hq=HQ, hkv=HKV, d=D, seed=4)
     k = case.k.detach().clone()
     k[key, 1, 0] = float("nan")
     out, lse = packattn.varlen_attention(case.q, k, case.v, *case.tensors(), backend=backend, return_lse=True)
     g = HQ // HKV
-    assert out[:4, g:].isnan().all() and lse[g:, :4].isnan().all()  # the query heads of KV head 1
-    assert torch.isfinite(out[:4, :g]).all() and torch.isfinite(out[4:]).all()
+    assert out[:rows, g:].isnan().all() and lse[g:, :rows].isnan().all()  # the query heads of KV head 1
+    assert torch.isfinite(out[:rows, :g]).all() and torch.isfinite(out[rows:]).all()

@@ -14,7 +14,7 @@ ALL: tuple[Backend, ...] = tuple(
 )
 
 PRIORITY: dict[str, tuple[str, ...]] = {
-    # cpu_kernel leaves decode batches (it declines them) and float64 (not its dtype) to cpu.
+    # cpu_kernel leaves float64 (not its dtype) to cpu.
     "cpu": ("cpu_kernel", "cpu", "sdpa", "reference"),
     "cuda": ("flash_attn", "torch_varlen", "triton", "sdpa", "reference"),
     "npu": ("npu", "reference"),

@@ -228,7 +228,7 @@ def packattn_backend(name: str | None):
 IMPLEMENTATIONS: dict[str, tuple[Callable[..., tuple[Run, dict]], bool, tuple[str, ...] | None]] = {
     "packattn": (packattn_backend(None), False, None),
     "packattn triton": (packattn_backend("triton"), False, ("cuda",)),
-    "packattn cpu_kernel": (packattn_backend("cpu_kernel"), False, ()),  # default on CPU but for decode
+    "packattn cpu_kernel": (packattn_backend("cpu_kernel"), False, ()),  # the CPU default but for float64
     "packattn cpu": (packattn_backend("cpu"), False, ()),
     "flash-attn": (flash_attn_varlen, True, ("cuda",)),
     "torch varlen": (torch_varlen, True, ("cuda",)),

@@ -3,10 +3,12 @@
 One call of the kernel runs the whole packed batch: work items of (sequence, KV head, block of query rows)
 balanced between threads by visible (query, key) pairs; the G query heads of a KV head share each K/V tile,
 which is transposed and packed once per head; tiles that the mask hides are skipped; the softmax is online
-(no ``(L, L)`` scores) in fp32. The backward recomputes the probabilities from the LSE (flash-attention 2),
-in one pass per (sequence, KV head) when there are at least 4 of them per thread, else in two passes (dK/dV
-per key block, dQ per query block) that split a sequence between threads; either way every gradient element
-has one writer: the same bits at any thread count.
+(no ``(L, L)`` scores) in fp32. Decoded sequences (query rows x query heads per KV head <= 16) run as items
+of all KV heads over chunks of 1024 keys, so that K/V rows are read whole and a long sequence's keys are
+split between threads; the chunks are merged in a fixed order. The backward recomputes the probabilities
+from the LSE (flash-attention 2), in one pass per (sequence, KV head) when there are at least 4 of them per
+thread, else in two passes (dK/dV per key block, dQ per query block) that split a sequence between threads;
+either way every gradient element has one writer: the same bits at any thread count.
 
 Products accumulate in fp32. bf16 inputs are multiplied as bf16 tiles on AMX where the CPU has it, on the
 kernel's own AVX512_BF16 dot-product loop on AMD CPUs with that instruction (Zen 4 and later), else as fp32
@@ -14,10 +16,9 @@ tiles; fp16 always as fp32 tiles (AVX512_FP16 accumulates in fp16). ``$PACKATTN_
 (``amx``, ``avx512_bf16`` or ``fp32``) picks one of those that run here instead (:func:`bf16_products`).
 
 Supports fp32, bf16 and fp16 with every mask option (causal, windows, softcap), GQA/MQA, ``Dv != D``,
-empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths, and automatic dispatch
-leaves decode batches to ``cpu`` (:func:`declines`). Compiled on first use (see :mod:`.build`, or
-``packattn build`` ahead of time); when it cannot be built, ``unavailable_reason`` says why and dispatch
-moves on to the ``cpu`` backend.
+empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths. Compiled on first use
+(see :mod:`.build`, or ``packattn build`` ahead of time); when it cannot be built, ``unavailable_reason``
+says why and dispatch moves on to the ``cpu`` backend.
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ from ...inputs import AttentionInputs
 from .. import reference
 from ..base import Backend, Capabilities, Grads
 from . import build
-
-# Query rows per (sequence, KV head) up to which a batch counts as decode: one padded block of the kernel's
-# products, with no K/V tile reused by a second block.
-DECODE_ROWS = 16
 
 
 def _offsets(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,19 +98,6 @@ class CpuKernel(Backend):
     def details(self) -> str | None:
         products = build.load().bf16_products()
         return f"built for {build.capability()}; bf16 products: {products[0]} (default), " + ", ".join(products[1:])
-
-    def declines(self, inp: AttentionInputs) -> str | None:
-        """Decode batches (every sequence's query rows x query heads per KV head <= 16) go to the ``cpu``
-        backend in automatic dispatch: the kernel prepares every K/V tile for a few rows, slower there than
-        the ``cpu`` backend's stacked heads (W6 in benchmarks/README.md)."""
-        group = inp.heads_q // inp.heads_kv
-        longest = inp.layout.max_q
-        if longest * group <= DECODE_ROWS:
-            return (
-                f"leaves decode batches to the cpu backend (at most {longest} query rows per sequence x {group} "
-                f"query heads per KV head <= {DECODE_ROWS}: faster there)"
-            )
-        return None
 
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward(inp)

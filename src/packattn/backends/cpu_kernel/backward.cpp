@@ -234,13 +234,13 @@ void run_backward(const BwdArgs<T>& a) {
       w.dq = buffer(w.keep, query_blocks * mp * dp);
       return w;
     };
-    run_plan(whole, amx, fused, [&](const Item& it, BwdWork<E>& w) { sequence_item(it, w, a); });
+    run_plan(whole, amx, fused, [&](const Item& it, int64_t, BwdWork<E>& w) { sequence_item(it, w, a); });
     return;
   }
   run_plan(make_plan(a.seqs, a.mask, sh, kKeyTile, true), amx, make,
-           [&](const Item& it, BwdWork<E>& w) { dkdv_item(it, w, a); });
+           [&](const Item& it, int64_t, BwdWork<E>& w) { dkdv_item(it, w, a); });
   run_plan(make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
-           [&](const Item& it, BwdWork<E>& w) { dq_item(it, w, a); });
+           [&](const Item& it, int64_t, BwdWork<E>& w) { dq_item(it, w, a); });
 }
 
 }  // namespace

@@ -8,6 +8,12 @@ namespace {
 using namespace detail;
 
 constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward item
+// Query rows x query heads per KV head up to which a sequence is decoded: its items take all KV heads at
+// once (a few rows per head against long keys: reading K/V is the work), split by key chunks so that a long
+// sequence's keys are shared between threads.
+constexpr int64_t kWholeHeadsRows = 16;
+constexpr int64_t kChunkKeys = 4 * kKeyTile;
+constexpr int64_t kHeadRows = kWholeHeadsRows;  // between KV heads in the state of an item of all heads
 
 template <typename E>  // tile element: float, or BFloat16 (on AMX or the dot-product kernel)
 struct FwdWork {
@@ -69,72 +75,190 @@ float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
   return alpha;
 }
 
+// The running softmax of an item's rows against keys [c0, c1) (whole key tiles): for each KV head h of
+// [h0, h1), its G x (i1 - i0) query rows' max, sum and unnormalised output in w.m, w.l, w.acc at head offset
+// h - h0. Key tiles outside, heads inside: an item of all KV heads reads each K/V row's heads in turn while
+// its pages are fresh, instead of one head's 1 / Hkv of every page per pass.
 template <typename E, typename T>
-void forward_item(const Item& it, FwdWork<E>& w, const FwdArgs<T>& a) {
-  const Seq& s = a.seqs[it.b];
+void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c0, int64_t c1, FwdWork<E>& w,
+            const FwdArgs<T>& a) {
+  const Seq& s = a.seqs[b];
   const Mask& mask = a.mask;
   const Shape& sh = a.sh;
-  const int64_t i0 = it.r0, i1 = it.r1, bq = i1 - i0, rows = sh.g * bq, mp = a_rows<E>(a.how, rows), d = sh.d, dv = sh.dv;
-  const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv);
-  load_group(a.q, s, i0, bq, it.h, sh.g, d, dp, w.q);
-  std::fill(w.m, w.m + rows, kNegInf);
-  std::fill(w.l, w.l + rows, 0.f);
-  std::fill(w.acc, w.acc + mp * ldo, 0.f);
-  const int64_t lo = mask.lo(s, i0), hi = mask.hi(s, i1 - 1);
+  const int64_t bq = i1 - i0, rows = sh.g * bq, mp = a_rows<E>(a.how, rows), d = sh.d, dv = sh.dv;
+  const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv), heads = h1 - h0;
+  const bool cached = heads == 1;  // one head's tiles serve its next items; a tile of all heads is used once
+  for (int64_t h = 0; h < heads; ++h) load_group(a.q, s, i0, bq, h0 + h, sh.g, d, dp, w.q + h * kHeadRows * dp);
+  std::fill(w.m, w.m + (heads - 1) * kHeadRows + mp, kNegInf);
+  std::fill(w.l, w.l + (heads - 1) * kHeadRows + mp, 0.f);
+  std::fill(w.acc, w.acc + ((heads - 1) * kHeadRows + mp) * ldo, 0.f);
+  const int64_t lo = std::max(c0, mask.lo(s, i0)), hi = std::min(c1, mask.hi(s, i1 - 1));
   const Scores score(mask);
   for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
     const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0;
     const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
-    const E* kt = w.kt.get(it.b, it.h, tile, [&](E* slot) {
-      prepare_keys(a.k, s.k0 + j0, bk, it.h, d, dp, true, slot, w.tmp, w.scratch);
-    });
-    mm(a.how, mp, n, dp, w.q, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j0 + bk);
     E* p = std::is_same_v<E, float> ? reinterpret_cast<E*>(w.s) : w.p;  // P in place, or as bf16 beside it
-    for (int64_t r = 0; r < rows; ++r) {
-      auto [c0, c1] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
-      const float alpha = softmax_row(w.s + r * n, p + r * n, c0, c1, n, score, w.m[r], w.l[r]);
-      if (alpha != 1.f) {
-        const Vec factor(alpha);
-        at::vec::map([factor](Vec x) { return x * factor; }, w.acc + r * ldo, w.acc + r * ldo, dv);
+    for (int64_t h = 0; h < heads; ++h) {
+      float *m = w.m + h * kHeadRows, *l = w.l + h * kHeadRows, *acc = w.acc + h * kHeadRows * ldo;
+      const auto keys_t = [&](E* slot) {
+        prepare_keys(a.k, s.k0 + j0, bk, h0 + h, d, dp, true, slot, w.tmp, w.scratch);
+      };
+      const E* kt = cached ? w.kt.get(b, h0, tile, keys_t) : w.kt.once(keys_t);
+      mm(a.how, mp, n, dp, w.q + h * kHeadRows * dp, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
+      for (int64_t r = 0; r < rows; ++r) {
+        auto [cs, ce] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
+        const float alpha = softmax_row(w.s + r * n, p + r * n, cs, ce, n, score, m[r], l[r]);
+        if (alpha != 1.f) {
+          const Vec factor(alpha);
+          at::vec::map([factor](Vec x) { return x * factor; }, acc + r * ldo, acc + r * ldo, dv);
+        }
+      }
+      const auto values = [&](E* slot) {
+        prepare_keys(a.v, s.k0 + j0, bk, h0 + h, dv, ldo, false, slot, w.tmp, w.scratch);
+      };
+      const E* vb = cached ? w.v.get(b, h0, tile, values) : w.v.once(values);
+      mm(a.how, mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), acc, ldo, true);
+    }
+  }
+}
+
+// Out and LSE of query rows [i0, i0 + bq) of the G query heads of KV head h, from their running max m, sum l
+// and unnormalised output acc (rows of stride ldo, normalised in place). A finite max and sum: the softmax
+// is defined. Else a row that sees keys met a NaN or +inf score, or only -inf ones (from infinite inputs):
+// NaN out and LSE; a row that sees no key: 0 and -inf.
+template <typename T>
+void store_rows(const Seq& s, int64_t i0, int64_t bq, int64_t h, const float* m, const float* l, float* acc,
+                int64_t ldo, const FwdArgs<T>& a) {
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  const int64_t dv = a.sh.dv;
+  for (int64_t r = 0; r < a.sh.g * bq; ++r) {
+    const int64_t i = i0 + r % bq, t = s.q0 + i, head = h * a.sh.g + r / bq;
+    float* row = acc + r * ldo;
+    const bool fine = std::isfinite(m[r]) && l[r] > 0.f, sees = a.mask.lo(s, i) < a.mask.hi(s, i);
+    if (fine) {
+      const Vec inv(1.f / l[r]);
+      at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
+    } else {
+      std::fill(row, row + dv, sees ? kNaN : 0.f);
+    }
+    at::vec::convert(row, a.out + (t * a.hq + head) * dv, dv);
+    if (a.lse) a.lse[head * a.tq + t] = fine ? m[r] + std::log(l[r]) : sees ? kNaN : kNegInf;
+  }
+}
+
+// The partial results of decoded sequences' key chunks, per item and KV head: the rows' max, their sum, then
+// their dv outputs. Merged in chunk order after every item ran: the same bits at any thread count.
+struct Partials {
+  float* data = nullptr;
+  std::vector<int64_t> at;  // per item: its first float, or -1 (a sequence of one chunk stores directly)
+};
+
+template <typename E, typename T>
+void forward_item(const Item& it, int64_t index, FwdWork<E>& w, const FwdArgs<T>& a, const Partials& parts) {
+  const Seq& s = a.seqs[it.b];
+  const int64_t ldo = tile_width<E>(a.sh.dv);
+  if (it.h >= 0) {  // rows [r0, r1) of one KV head against all keys they see
+    attend(it.b, it.r0, it.r1, it.h, it.h + 1, 0, s.lk, w, a);
+    return store_rows(s, it.r0, it.r1 - it.r0, it.h, w.m, w.l, w.acc, ldo, a);
+  }
+  attend(it.b, 0, s.lq, 0, a.sh.hkv, it.r0, it.r1, w, a);  // every row and KV head against keys [r0, r1)
+  const int64_t rows = a.sh.g * s.lq, dv = a.sh.dv;
+  for (int64_t h = 0; h < a.sh.hkv; ++h) {
+    const float *m = w.m + h * kHeadRows, *l = w.l + h * kHeadRows;
+    float* acc = w.acc + h * kHeadRows * ldo;
+    if (parts.at[index] < 0) {
+      store_rows(s, 0, s.lq, h, m, l, acc, ldo, a);
+      continue;
+    }
+    float* out = parts.data + parts.at[index] + h * rows * (dv + 2);
+    std::copy(m, m + rows, out);
+    std::copy(l, l + rows, out + rows);
+    for (int64_t r = 0; r < rows; ++r) std::copy(acc + r * ldo, acc + r * ldo + dv, out + 2 * rows + r * dv);
+  }
+}
+
+// Merges the partial results of a sequence's key chunks, items [first, last) of the plan, as the online
+// softmax merges tiles, and stores them.
+template <typename T>
+void merge_chunks(const Plan& plan, int64_t first, int64_t last, const Partials& parts, const FwdArgs<T>& a) {
+  const Seq& s = a.seqs[plan.items[first].b];
+  const int64_t rows = a.sh.g * s.lq, dv = a.sh.dv;
+  std::vector<float> m(rows), l(rows), acc(rows * dv);
+  for (int64_t h = 0; h < a.sh.hkv; ++h) {
+    std::fill(m.begin(), m.end(), kNegInf);
+    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t i = first; i < last; ++i) {
+      const float* part = parts.data + parts.at[i] + h * rows * (dv + 2);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float mc = part[r];
+        if (mc == kNegInf) continue;  // the chunk added nothing to this row
+        const float m_new = std::isnan(mc) ? mc : std::max(m[r], mc);
+        const float alpha = std::exp(m[r] - m_new), beta = std::exp(mc - m_new);
+        l[r] = l[r] * alpha + part[rows + r] * beta;
+        float* row = acc.data() + r * dv;
+        const float* add = part + 2 * rows + r * dv;
+        const Vec va(alpha), vb(beta);
+        at::vec::map2([va, vb](Vec x, Vec y) { return x * va + y * vb; }, row, row, add, dv);
+        m[r] = m_new;
       }
     }
-    const E* vb = w.v.get(it.b, it.h, tile, [&](E* slot) {
-      prepare_keys(a.v, s.k0 + j0, bk, it.h, dv, ldo, false, slot, w.tmp, w.scratch);
-    });
-    mm(a.how, mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), w.acc, ldo, true);
+    store_rows(s, 0, s.lq, h, m.data(), l.data(), acc.data(), dv, a);
   }
-  // A finite max and sum: the softmax is defined. Else a row that sees keys met a NaN or +inf score, or only
-  // -inf ones (from infinite inputs): NaN out and LSE; a row that sees no key: 0 and -inf.
-  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r % bq, t = s.q0 + i, head = it.h * sh.g + r / bq;
-    float* acc = w.acc + r * ldo;
-    const bool fine = std::isfinite(w.m[r]) && w.l[r] > 0.f, sees = mask.lo(s, i) < mask.hi(s, i);
-    if (fine) {
-      const Vec inv(1.f / w.l[r]);
-      at::vec::map([inv](Vec x) { return x * inv; }, acc, acc, dv);
-    } else {
-      std::fill(acc, acc + dv, sees ? kNaN : 0.f);
+}
+
+// The forward's items: rows of one KV head (forward_item's h >= 0) or, for sequences that are decoded, key
+// chunks of all KV heads (h = -1, keys [r0, r1)), in sequence order.
+Plan forward_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t block_q,
+                  std::vector<int64_t>& part_at, int64_t& part_floats) {
+  Plan plan;
+  part_floats = 0;
+  for (int64_t b = 0; b < (int64_t)seqs.size(); ++b) {
+    const Seq& s = seqs[b];
+    if (s.lq == 0) continue;
+    if (sh.g * s.lq > kWholeHeadsRows) {
+      add_items(plan, s, b, mask, sh, block_q, false);
+      part_at.resize(plan.items.size(), -1);
+      continue;
     }
-    at::vec::convert(acc, a.out + (t * a.hq + head) * dv, dv);
-    if (a.lse) a.lse[head * a.tq + t] = fine ? w.m[r] + std::log(w.l[r]) : sees ? kNaN : kNegInf;
+    const int64_t chunks = std::max<int64_t>(1, (s.lk + kChunkKeys - 1) / kChunkKeys);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t c0 = c * kChunkKeys, c1 = std::min(s.lk, c0 + kChunkKeys);
+      double pairs = 0;
+      for (int64_t i = 0; i < s.lq; ++i)
+        pairs += std::max<int64_t>(0, std::min(c1, mask.hi(s, i)) - std::max(c0, mask.lo(s, i)));
+      plan.items.push_back({b, -1, c0, c1});
+      plan.cost.push_back(sh.hkv * sh.g * (pairs + 8.0 * s.lq) * (sh.d + sh.dv) + 2048.0);
+      part_at.push_back(chunks == 1 ? -1 : part_floats);
+      if (chunks > 1) part_floats += sh.hkv * sh.g * s.lq * (sh.dv + 2);
+    }
   }
+  return plan;
 }
 
 template <typename E, typename T>
 void run_forward(const FwdArgs<T>& a) {
   const Shape& sh = a.sh;
-  const int64_t mp = pad16(sh.g * a.block_q), dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
+  const int64_t dp = tile_width<E>(sh.d), ldo = tile_width<E>(sh.dv);
   const bool bf16 = !std::is_same_v<E, float>;
   const int64_t tiles = max_blocks(a.seqs, kKeyTile, true);
+  Partials parts;
+  int64_t part_floats = 0;
+  const Plan plan = forward_plan(a.seqs, a.mask, sh, a.block_q, parts.at, part_floats);
+  bool whole_heads = false;
+  for (const Item& it : plan.items) whole_heads |= it.h < 0;
+  const int64_t mp = pad16(sh.g * a.block_q);  // rows of one head's items; all heads' take kHeadRows each
+  const int64_t state_rows = std::max(mp, whole_heads ? sh.hkv * kHeadRows : 0);
+  std::vector<at::Tensor> keep;
+  parts.data = buffer(keep, part_floats);
   auto make = [&] {
     FwdWork<E> w;
     w.s = buffer(w.keep, mp * kKeyTile);
-    w.acc = buffer(w.keep, mp * ldo);
-    w.m = buffer(w.keep, mp);
-    w.l = buffer(w.keep, mp);
-    w.q = buffer<E>(w.keep, mp * dp);
+    w.acc = buffer(w.keep, state_rows * ldo);
+    w.m = buffer(w.keep, state_rows);
+    w.l = buffer(w.keep, state_rows);
+    w.q = buffer<E>(w.keep, state_rows * dp);
     w.scratch = buffer<E>(w.keep, kKeyTile * std::max(dp, ldo));
     w.tmp = bf16 ? buffer<E>(w.keep, kKeyTile * std::max(dp, ldo)) : nullptr;
     w.p = bf16 ? buffer<E>(w.keep, mp * kKeyTile) : nullptr;
@@ -142,9 +266,18 @@ void run_forward(const FwdArgs<T>& a) {
     w.v.init(w.keep, tiles, kKeyTile * ldo);
     return w;
   };
-  const Plan plan = make_plan(a.seqs, a.mask, sh, a.block_q, false);
   run_plan(plan, bf16 && a.how == Bf16Products::kAmx, make,
-           [&](const Item& it, FwdWork<E>& w) { forward_item(it, w, a); });
+           [&](const Item& it, int64_t index, FwdWork<E>& w) { forward_item(it, index, w, a, parts); });
+  if (part_floats == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> merges;  // items [first, last) of each chunked sequence
+  for (int64_t i = 0; i < (int64_t)plan.items.size(); ++i) {
+    if (parts.at[i] < 0) continue;
+    if (merges.empty() || plan.items[merges.back().first].b != plan.items[i].b) merges.emplace_back(i, i);
+    merges.back().second = i + 1;
+  }
+  at::parallel_for(0, merges.size(), 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) merge_chunks(plan, merges[m].first, merges[m].second, parts, a);
+  });
 }
 
 }  // namespace

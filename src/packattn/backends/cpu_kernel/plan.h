@@ -16,7 +16,7 @@
 namespace packattn_kernel::detail {
 
 struct Item {
-  int64_t b, h, r0, r1;  // sequence, KV head, query rows or keys [r0, r1)
+  int64_t b, h, r0, r1;  // sequence, KV head (-1: all of them), query rows or keys [r0, r1)
 };
 
 struct Plan {
@@ -24,43 +24,45 @@ struct Plan {
   std::vector<double> cost;
 };
 
-// Items of `block` query rows (by_keys = false) or keys (by_keys = true), costed by visible pairs, in the
-// order (sequence, KV head, block): a thread's consecutive items share their sequence's key tiles (TileCache).
-// With whole_sequences, one item of all keys per (sequence, KV head) that has rows on either side.
+// Items of sequence b (seqs[b]) in `block` query rows (by_keys = false) or keys (by_keys = true), costed by
+// visible pairs, in the order (KV head, block): a thread's consecutive items share the sequence's key tiles
+// (TileCache). With whole_sequences, one item of all keys per KV head if the sequence has rows on either side.
+inline void add_items(Plan& plan, const Seq& s, int64_t b, const Mask& mask, const Shape& sh, int64_t block,
+                      bool by_keys, bool whole_sequences = false) {
+  const int64_t n = by_keys ? s.lk : s.lq;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::vector<double> cost;
+  if (whole_sequences) {
+    if (s.lq > 0 || s.lk > 0) ranges.emplace_back(0, n);
+  } else {
+    for (int64_t r0 = 0; r0 < n; r0 += block) ranges.emplace_back(r0, std::min(n, r0 + block));
+  }
+  for (const auto& [r0, r1] : ranges) {
+    double pairs = 0;
+    if (!by_keys) {
+      for (int64_t i = r0; i < r1; ++i) pairs += std::max<int64_t>(0, mask.hi(s, i) - mask.lo(s, i));
+    } else if (s.lq > 0 && r1 > r0) {
+      for (int64_t i = mask.first_row(s, r0); i < mask.last_row(s, r1); ++i) {
+        pairs += std::max<int64_t>(0, std::min(r1, mask.hi(s, i)) - std::max(r0, mask.lo(s, i)));
+      }
+    }
+    const int64_t rows = whole_sequences ? s.lq + s.lk : r1 - r0;
+    cost.push_back(sh.g * (pairs + 8.0 * rows) * (sh.d + sh.dv) + 2048.0);  // + fixed cost
+  }
+  for (int64_t h = 0; h < sh.hkv; ++h) {
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      plan.items.push_back({b, h, ranges[r].first, ranges[r].second});
+      plan.cost.push_back(cost[r]);
+    }
+  }
+}
+
+// add_items for every sequence, in order.
 inline Plan make_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shape& sh, int64_t block, bool by_keys,
                       bool whole_sequences = false) {
   Plan plan;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  std::vector<double> cost;
-  for (int64_t b = 0; b < (int64_t)seqs.size(); ++b) {
-    const Seq& s = seqs[b];
-    const int64_t n = by_keys ? s.lk : s.lq;
-    ranges.clear();
-    cost.clear();
-    if (whole_sequences) {
-      if (s.lq > 0 || s.lk > 0) ranges.emplace_back(0, n);
-    } else {
-      for (int64_t r0 = 0; r0 < n; r0 += block) ranges.emplace_back(r0, std::min(n, r0 + block));
-    }
-    for (const auto& [r0, r1] : ranges) {
-      double pairs = 0;
-      if (!by_keys) {
-        for (int64_t i = r0; i < r1; ++i) pairs += std::max<int64_t>(0, mask.hi(s, i) - mask.lo(s, i));
-      } else if (s.lq > 0 && r1 > r0) {
-        for (int64_t i = mask.first_row(s, r0); i < mask.last_row(s, r1); ++i) {
-          pairs += std::max<int64_t>(0, std::min(r1, mask.hi(s, i)) - std::max(r0, mask.lo(s, i)));
-        }
-      }
-      const int64_t rows = whole_sequences ? s.lq + s.lk : r1 - r0;
-      cost.push_back(sh.g * (pairs + 8.0 * rows) * (sh.d + sh.dv) + 2048.0);  // + fixed cost
-    }
-    for (int64_t h = 0; h < sh.hkv; ++h) {
-      for (size_t r = 0; r < ranges.size(); ++r) {
-        plan.items.push_back({b, h, ranges[r].first, ranges[r].second});
-        plan.cost.push_back(cost[r]);
-      }
-    }
-  }
+  for (int64_t b = 0; b < (int64_t)seqs.size(); ++b)
+    add_items(plan, seqs[b], b, mask, sh, block, by_keys, whole_sequences);
   return plan;
 }
 
@@ -72,8 +74,8 @@ struct AmxRelease {
   }
 };
 
-// Runs fn(item, workspace) for every item: thread t gets a contiguous run of items of about 1/threads of
-// the total cost, and one workspace from make_workspace().
+// Runs fn(item, its index in the plan, workspace) for every item: thread t gets a contiguous run of items of about
+// 1/threads of the total cost, and one workspace from make_workspace().
 template <typename W, typename F>
 void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) {
   const int64_t n = plan.items.size();
@@ -90,7 +92,7 @@ void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) 
     auto ws = make_workspace();
     const AmxRelease release{amx};
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i = bound[t]; i < bound[t + 1]; ++i) fn(plan.items[i], ws);
+      for (int64_t i = bound[t]; i < bound[t + 1]; ++i) fn(plan.items[i], i, ws);
     }
   });
 }

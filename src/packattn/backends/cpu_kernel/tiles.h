@@ -245,6 +245,12 @@ struct TileCache {
     }
     return data + block * slot;
   }
+  template <typename F>
+  const E* once(const F& prepare) {  // a tile used once: prepared into the first slot, nothing kept
+    b = -1;
+    prepare(data);
+    return data;
+  }
 };
 
 // Keys [j0, j0 + bk) of head h as a prepared B in `slot`: transposed ([width_pad, pad16(bk)], for Q K^T) or
