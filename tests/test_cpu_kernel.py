@@ -18,7 +18,7 @@ from packattn import dispatch
 from packattn.backends import cpu_kernel
 from packattn.backends.cpu_kernel import build
 
-from .helpers import DEVICE, case_inputs, check_backward, check_forward, make_case, restride
+from .helpers import DEVICE, Case, case_inputs, check_backward, check_forward, make_case, restride
 from .strategies import BOUNDED, layouts
 
 pytestmark = pytest.mark.skipif(
@@ -142,6 +142,9 @@ def test_strided_inputs_across_tiles():
     case = make_case([300, 20], [280, 20], hq=4, hkv=2, d=32, seed=24)
     for strides in ("heads_major", "last_dim_stride_2", "kv_broadcast"):
         check_forward("cpu_kernel", restride(case, strides), window_size=(100, 20))
+    # V read in place by the products (fp32, unit last stride): one token's row for every key (stride 0)
+    one_row = Case(case.q, case.k, case.v[:1].expand_as(case.v), case.cu_q, case.cu_k)
+    check_forward("cpu_kernel", one_row, window_size=(100, 20))
 
 
 def _run(case, mask, *, grads: bool) -> list[torch.Tensor]:

@@ -114,6 +114,14 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
           at::vec::map([factor](Vec x) { return x * factor; }, acc + r * ldo, acc + r * ldo, dv);
         }
       }
+      if constexpr (std::is_same_v<E, float> && std::is_same_v<T, float>) {
+        // fp32 V rows straight from the tensor when no later item reuses the tile: no copy, and the product
+        // takes the bk keys (P is zero beyond them, so the sums are the same)
+        if (a.v.s2 == 1 && (!cached || s.lq <= a.block_q)) {
+          mm(a.how, mp, ldo, std::min(n, bk), p, n, BOperand{a.v.at(s.k0 + j0, h0 + h), a.v.s0}, acc, ldo, true);
+          continue;
+        }
+      }
       const auto values = [&](E* slot) {
         prepare_keys(a.v, s.k0 + j0, bk, h0 + h, dv, ldo, false, slot, w.tmp, w.scratch);
       };
@@ -124,7 +132,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
 }
 
 // Out and LSE of query rows [i0, i0 + bq) of the G query heads of KV head h, from their running max m, sum l
-// and unnormalised output acc (rows of stride ldo, normalised in place). A finite max and sum: the softmax
+// and unnormalised output acc (rows of stride ldo; overwritten). A finite max and sum: the softmax
 // is defined. Else a row that sees keys met a NaN or +inf score, or only -inf ones (from infinite inputs):
 // NaN out and LSE; a row that sees no key: 0 and -inf.
 template <typename T>
@@ -136,13 +144,18 @@ void store_rows(const Seq& s, int64_t i0, int64_t bq, int64_t h, const float* m,
     const int64_t i = i0 + r % bq, t = s.q0 + i, head = h * a.sh.g + r / bq;
     float* row = acc + r * ldo;
     const bool fine = std::isfinite(m[r]) && l[r] > 0.f, sees = a.mask.lo(s, i) < a.mask.hi(s, i);
+    T* dst = a.out + (t * a.hq + head) * dv;
     if (fine) {
       const Vec inv(1.f / l[r]);
-      at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
+      if constexpr (std::is_same_v<T, float>) {  // normalised straight into the output
+        at::vec::map([inv](Vec x) { return x * inv; }, dst, row, dv);
+      } else {
+        at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
+        at::vec::convert(row, dst, dv);
+      }
     } else {
-      std::fill(row, row + dv, sees ? kNaN : 0.f);
+      std::fill(dst, dst + dv, T(sees ? kNaN : 0.f));
     }
-    at::vec::convert(row, a.out + (t * a.hq + head) * dv, dv);
     if (a.lse) a.lse[head * a.tq + t] = fine ? m[r] + std::log(l[r]) : sees ? kNaN : kNegInf;
   }
 }
