@@ -239,16 +239,24 @@ def _one_hot_rows(lq: int, lk: int, d: int, hq: int, hkv: int, magnitude: float)
     return tuple(x.float().contiguous().to(DEVICE) for x in (q, k, v))
 
 
+# (query rows, keys, query heads, KV heads): GQA, MHA (the C++ kernel reads fp32 queries in place there), and
+# decode (the C++ kernel's key chunks of all KV heads, merged into the LSE).
+ONE_HOT_SHAPES = {"gqa": (300, 600, 2, 1), "mha": (300, 600, 2, 2), "decode": (2, 2500, 4, 1)}
+
+
+@pytest.mark.parametrize("shape", ONE_HOT_SHAPES)
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-def test_huge_scores_one_hot_rows_give_exact_gradients(backend):
+def test_huge_scores_one_hot_rows_give_exact_gradients(backend, shape):
     """Scores ~ 1e6, where one fp32 ulp is 0.06: a backward that recomputes a score or the LSE with any other
     rounding than the forward's gets exp(s - lse) != 1 for the one key a row sees (a 0.9x dV before). dV is
     the probabilities' transpose times dO; dQ and dK are ~0 here, with the rounding of
     delta = rowsum(dO * out) times |k| ~ 2000 on every flash-style backward, so they are not compared."""
-    lq, lk = (20, 100) if interpreted(backend) else (300, 600)  # past the compiled kernels' key tiles
-    q, k, v = (x.requires_grad_() for x in _one_hot_rows(lq, lk, 16, 2, 1, 1e6))
+    lq, lk, hq, hkv = ONE_HOT_SHAPES[shape]  # past the compiled kernels' key tiles
+    if interpreted(backend):
+        lq, lk = min(lq, 20), 100
+    q, k, v = (x.requires_grad_() for x in _one_hot_rows(lq, lk, 16, hq, hkv, 1e6))
     cu_q, cu_k = torch.tensor([0, lq], dtype=torch.int32), torch.tensor([0, lk], dtype=torch.int32)
-    dout = torch.randn(lq, 2, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    dout = torch.randn(lq, hq, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     out = packattn.varlen_attention(q, k, v, cu_q, cu_k, backend=backend)
     (got,) = torch.autograd.grad(out, (v,), dout)
 

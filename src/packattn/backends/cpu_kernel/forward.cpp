@@ -88,7 +88,15 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
   const int64_t bq = i1 - i0, rows = sh.g * bq, mp = a_rows<E>(a.how, rows), d = sh.d, dv = sh.dv;
   const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv), heads = h1 - h0;
   const bool cached = heads == 1;  // one head's tiles serve its next items; a tile of all heads is used once
-  for (int64_t h = 0; h < heads; ++h) load_group(a.q, s, i0, bq, h0 + h, sh.g, d, dp, w.q + h * kHeadRows * dp);
+  // fp32 queries with one query head per KV head: Q K^T reads the item's rows in place (a row stride
+  // apart), no copy
+  bool q_in_place = false;
+  if constexpr (std::is_same_v<E, float> && std::is_same_v<T, float>) {
+    q_in_place = sh.g == 1 && a.q.s2 == 1 && a.q.s0 >= d;
+  }
+  if (!q_in_place) {
+    for (int64_t h = 0; h < heads; ++h) load_group(a.q, s, i0, bq, h0 + h, sh.g, d, dp, w.q + h * kHeadRows * dp);
+  }
   std::fill(w.m, w.m + (heads - 1) * kHeadRows + mp, kNegInf);
   std::fill(w.l, w.l + (heads - 1) * kHeadRows + mp, 0.f);
   std::fill(w.acc, w.acc + ((heads - 1) * kHeadRows + mp) * ldo, 0.f);
@@ -105,7 +113,8 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
         prepare_keys(a.k, s.k0 + j0, bk, h0 + h, d, dp, true, slot, w.tmp, w.scratch);
       };
       const E* kt = cached ? w.kt.get(b, h0, tile, keys_t) : w.kt.once(keys_t);
-      mm(a.how, mp, n, dp, w.q + h * kHeadRows * dp, dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
+      const E* qa = q_in_place ? reinterpret_cast<const E*>(a.q.at(s.q0 + i0, h0 + h)) : w.q + h * kHeadRows * dp;
+      mm(a.how, mp, n, dp, qa, q_in_place ? a.q.s0 : dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
       for (int64_t r = 0; r < rows; ++r) {
         auto [cs, ce] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
         const float alpha = softmax_row(w.s + r * n, p + r * n, cs, ce, n, score, m[r], l[r]);
