@@ -407,3 +407,24 @@ def test_cli_build_reports_the_cached_kernel(capsys):
     assert cli.main(["build"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("cpu_kernel: ready in ") and str(build.build_dir()) in out
+
+
+@pytest.mark.skipif(build.capability() != "AVX512", reason="the AVX2 build is this CPU's own build here")
+def test_the_avx2_build_passes_the_kernel_tests():
+    """What a CPU without AVX-512 compiles and runs (no dot-product kernel, the AVX2 exp and conversions),
+    reached here by lowering ATen's capability: this file's forward, decode and thread-count tests on it."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    probe = _python("from packattn.backends.cpu_kernel import build; print(build.capability())", env)
+    assert probe.stdout.strip() == "AVX2", probe.stderr
+    tests = "across_items_and_tiles or decode or same_bits"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        check=False,
+        cwd=Path(__file__).parents[1],
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and " failed" not in res.stdout
