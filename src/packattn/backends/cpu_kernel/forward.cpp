@@ -13,7 +13,7 @@ constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward ite
 // sequence's keys are shared between threads.
 constexpr int64_t kWholeHeadsRows = 16;
 constexpr int64_t kChunkKeys = 4 * kKeyTile;
-constexpr int64_t kHeadRows = kWholeHeadsRows;  // between KV heads in the state of an item of all heads
+constexpr int64_t kHeadRows = (kWholeHeadsRows + 15) / 16 * 16;  // between KV heads in an all-heads item
 
 template <typename E>  // tile element: float, or BFloat16 (on AMX or the dot-product kernel)
 struct FwdWork {
@@ -247,11 +247,8 @@ Plan forward_plan(const std::vector<Seq>& seqs, const Mask& mask, const Shape& s
     const int64_t chunks = std::max<int64_t>(1, (s.lk + kChunkKeys - 1) / kChunkKeys);
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t c0 = c * kChunkKeys, c1 = std::min(s.lk, c0 + kChunkKeys);
-      double pairs = 0;
-      for (int64_t i = 0; i < s.lq; ++i)
-        pairs += std::max<int64_t>(0, std::min(c1, mask.hi(s, i)) - std::max(c0, mask.lo(s, i)));
       plan.items.push_back({b, -1, c0, c1});
-      plan.cost.push_back(sh.hkv * sh.g * (pairs + 8.0 * s.lq) * (sh.d + sh.dv) + 2048.0);
+      plan.cost.push_back(item_cost(sh, pairs_of_keys(s, mask, c0, c1), s.lq, sh.hkv));
       part_at.push_back(chunks == 1 ? -1 : part_floats);
       if (chunks > 1) part_floats += sh.hkv * sh.g * s.lq * (sh.dv + 2);
     }

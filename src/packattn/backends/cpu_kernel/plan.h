@@ -24,6 +24,21 @@ struct Plan {
   std::vector<double> cost;
 };
 
+// Visible (query, key) pairs of sequence s whose key is in [j0, j1).
+inline double pairs_of_keys(const Seq& s, const Mask& mask, int64_t j0, int64_t j1) {
+  double pairs = 0;
+  if (s.lq == 0 || j1 <= j0) return pairs;
+  for (int64_t i = mask.first_row(s, j0); i < mask.last_row(s, j1); ++i) {
+    pairs += std::max<int64_t>(0, std::min(j1, mask.hi(s, i)) - std::max(j0, mask.lo(s, i)));
+  }
+  return pairs;
+}
+
+// An item's cost: its visible pairs and rows, for G query heads of `heads` KV heads, plus a fixed cost.
+inline double item_cost(const Shape& sh, double pairs, int64_t rows, int64_t heads = 1) {
+  return heads * sh.g * (pairs + 8.0 * rows) * (sh.d + sh.dv) + 2048.0;
+}
+
 // Items of sequence b (seqs[b]) in `block` query rows (by_keys = false) or keys (by_keys = true), costed by
 // visible pairs, in the order (KV head, block): a thread's consecutive items share the sequence's key tiles
 // (TileCache). With whole_sequences, one item of all keys per KV head if the sequence has rows on either side.
@@ -41,13 +56,10 @@ inline void add_items(Plan& plan, const Seq& s, int64_t b, const Mask& mask, con
     double pairs = 0;
     if (!by_keys) {
       for (int64_t i = r0; i < r1; ++i) pairs += std::max<int64_t>(0, mask.hi(s, i) - mask.lo(s, i));
-    } else if (s.lq > 0 && r1 > r0) {
-      for (int64_t i = mask.first_row(s, r0); i < mask.last_row(s, r1); ++i) {
-        pairs += std::max<int64_t>(0, std::min(r1, mask.hi(s, i)) - std::max(r0, mask.lo(s, i)));
-      }
+    } else {
+      pairs = pairs_of_keys(s, mask, r0, r1);
     }
-    const int64_t rows = whole_sequences ? s.lq + s.lk : r1 - r0;
-    cost.push_back(sh.g * (pairs + 8.0 * rows) * (sh.d + sh.dv) + 2048.0);  // + fixed cost
+    cost.push_back(item_cost(sh, pairs, whole_sequences ? s.lq + s.lk : r1 - r0));
   }
   for (int64_t h = 0; h < sh.hkv; ++h) {
     for (size_t r = 0; r < ranges.size(); ++r) {
