@@ -96,8 +96,8 @@ class CpuKernel(Backend):
         return None
 
     def details(self) -> str | None:
-        products = build.load().bf16_products()
-        return f"built for {build.capability()}; bf16 products: {products[0]} (default), " + ", ".join(products[1:])
+        default, *others = build.load().bf16_products()
+        return f"built for {build.capability()}; bf16 products: " + ", ".join([f"{default} (default)", *others])
 
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward(inp)
