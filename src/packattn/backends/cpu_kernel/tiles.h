@@ -21,6 +21,7 @@
 
 #include "bf16_dot.h"
 #include "mask.h"
+#include "vec_math.h"
 
 namespace packattn_kernel::detail {
 
@@ -57,10 +58,33 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
   return t;
 }
 
+// src[0, n) as fp32. ATen's at::vec::convert has no vectorized bf16/fp16 -> fp32 loop (it converts one
+// element at a time, and an fp16 tile took twice as long to load as the products of many short sequences).
+template <typename T>
+void widen(const T* src, float* dst, int64_t n) {
+  using Narrow = at::vec::Vectorized<T>;  // twice the lanes of Vec
+  int64_t i = 0;
+  for (; i + Narrow::size() <= n; i += Narrow::size()) {
+    const auto [a, b] = at::vec::convert_to_float<T>(Narrow::loadu(src + i));
+    a.store(dst + i);
+    b.store(dst + i + kVec);
+  }
+  if (i < n) {
+    const int64_t cnt = n - i;
+    const auto [a, b] = at::vec::convert_to_float<T>(Narrow::loadu(src + i, cnt));
+    a.store(dst + i, std::min(cnt, kVec));
+    if (cnt > kVec) b.store(dst + i + kVec, cnt - kVec);
+  }
+}
+
 template <typename T, typename U>
 void load_row(const T* src, int64_t stride, int64_t n, U* dst) {  // converted to U (fp32, or T itself)
   if (stride == 1) {
-    at::vec::convert(src, dst, n);
+    if constexpr (std::is_same_v<U, float> && !std::is_same_v<T, float>) {
+      widen(src, dst, n);
+    } else {
+      at::vec::convert(src, dst, n);
+    }
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i * stride]);
   }
