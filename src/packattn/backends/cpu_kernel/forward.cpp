@@ -69,7 +69,9 @@ float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
     store_pair(p + c, a, b, cnt);
   }
   zero_outside(p, c0, c1, width);
-  const float alpha = std::exp(m - m_new);  // 0 when m was -inf
+  // While the running max is -inf the accumulator holds zeros (or NaN, 0 x inf from V), which a factor of
+  // exp(-inf) = 0 leaves as they are: 1 spares the caller that pass over the row.
+  const float alpha = m == kNegInf ? 1.f : std::exp(m - m_new);
   l = l * alpha + at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, sum);
   m = m_new;
   return alpha;
