@@ -44,22 +44,32 @@ def synchronize(device: str) -> None:
         getattr(torch, device).synchronize()
 
 
+def median_times(fns: list, min_time: float, max_reps: int = 25, device: str = "cpu") -> list[float]:
+    """Median seconds of each of ``fns``, run in turns (one run of each per round) for at least 3 rounds and
+    ``min_time`` seconds per function, at most ``max_reps`` rounds. On a shared machine, other work slows
+    whatever runs at that moment: in turns it reaches every function alike, so their ratios hold."""
+    times: list[list[float]] = [[] for _ in fns]
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < 3 or (time.perf_counter() - start < min_time * len(fns) and rounds < max_reps):
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            ts.append(time.perf_counter() - t0)
+        rounds += 1
+    return [statistics.median(ts) for ts in times]
+
+
 def median_time(fn, min_time: float, max_reps: int = 25, device: str = "cpu") -> float:
-    """Median seconds of ``fn`` over at least 3 runs and ``min_time`` seconds, after a warm-up run; a warm-up
-    slower than ``SLOW_S`` is the time itself."""
+    """Median seconds of ``fn`` (:func:`median_times`) after a warm-up run; a warm-up slower than ``SLOW_S``
+    is the time itself."""
     t0 = time.perf_counter()
     fn()
     synchronize(device)
     if time.perf_counter() - t0 > SLOW_S:
         return time.perf_counter() - t0
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_times([fn], min_time, max_reps, device)[0]
 
 
 def mm_ceiling(min_time: float, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
@@ -211,19 +221,17 @@ def check_gradients(wl: Workload, dtype: str, impl: str, device: str) -> None:
         assert_close_to_oracle(g, ref, plain, name=f"{impl} d{name}")
 
 
-def bench_one(
-    wl: Workload, dtype: str, impl: str, min_time: float, ceiling: float, device: str = "cpu", backward: bool = False
-) -> Row:
-    """Check one implementation on one workload against the oracle, then time it (forward, or forward and
-    backward with ``backward``)."""
+def check_one(
+    wl: Workload, dtype: str, impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: str, backward: bool
+) -> tuple[Row, Run | None, float]:
+    """Run one implementation once and check it against the oracle: its row, and the step to time (None when
+    it was skipped or wrong) with the seconds of that first run."""
     row = Row(wl.name, dtype, impl)
-    prepare = IMPLEMENTATIONS[impl][0]
-    q, k, v = (t.requires_grad_(backward) for t in wl.tensors(DTYPES[dtype], device=device))
     try:
-        run, row.setup = prepare(wl, q, k, v)
+        run, row.setup = IMPLEMENTATIONS[impl][0](wl, q, k, v)
     except Unsupported as e:
         row.status = f"skipped: {e}"
-        return row
+        return row, None, 0.0
     step: Run = run
     if backward:
         dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=torch.Generator().manual_seed(1))
@@ -247,18 +255,51 @@ def bench_one(
             check_gradients(wl, dtype, impl, device)
     except AssertionError as e:
         row.status = f"WRONG: {e}"
-        return row
-    if first_s > SLOW_S:  # spend no more minutes on a slow peer: its first run is its time
-        sec = first_s
-        row.status = f"timed once ({first_s:.0f} s a run); memory not profiled"
-    else:
-        sec = median_time(step, min_time, device=device)
-    row.median_ms = sec * 1e3
-    row.gflops = wl.flops() * (BACKWARD_FLOPS if backward else 1) / sec / 1e9
-    row.vs_mm_ceiling = row.gflops / ceiling
-    if sec < SLOW_S:
-        row.peak_extra_mib = peak_extra_mib(step, out.numel() * out.element_size(), device)
-    return row
+        return row, None, first_s
+    return row, step, first_s
+
+
+def bench_group(
+    wl: Workload,
+    dtype: str,
+    impls: list[str],
+    min_time: float,
+    ceiling: float,
+    device: str = "cpu",
+    backward: bool = False,
+    progress: Progress | None = None,
+) -> list[Row]:
+    """Check each implementation on one workload against the oracle, then time the right ones in turns
+    (forward, or forward and backward with ``backward``) on the same inputs."""
+    q, k, v = (t.requires_grad_(backward) for t in wl.tensors(DTYPES[dtype], device=device))
+    out_bytes = q.shape[0] * q.shape[1] * v.shape[2] * q.element_size()
+    rows, timed = [], []
+    for impl in impls:
+        row, step, first_s = check_one(wl, dtype, impl, q, k, v, device, backward)
+        rows.append(row)
+        if step is not None and first_s > SLOW_S:  # spend no more minutes on a slow peer: its first run is its time
+            row.median_ms = first_s * 1e3
+            row.status = f"timed once ({first_s:.0f} s a run); memory not profiled"
+        elif step is not None:
+            timed.append((row, step))
+        if progress:
+            progress.step(f"{wl.name} {dtype} {impl}")
+    for (row, _), sec in zip(timed, median_times([step for _, step in timed], min_time, device=device), strict=True):
+        row.median_ms = sec * 1e3
+    for row, step in timed:
+        row.peak_extra_mib = peak_extra_mib(step, out_bytes, device)
+    for row in rows:
+        if row.median_ms:
+            row.gflops = wl.flops() * (BACKWARD_FLOPS if backward else 1) / row.median_ms / 1e6
+            row.vs_mm_ceiling = row.gflops / ceiling
+    return rows
+
+
+def bench_one(
+    wl: Workload, dtype: str, impl: str, min_time: float, ceiling: float, device: str = "cpu", backward: bool = False
+) -> Row:
+    """:func:`bench_group` of one implementation."""
+    return bench_group(wl, dtype, [impl], min_time, ceiling, device, backward)[0]
 
 
 def run_suite(
@@ -298,10 +339,7 @@ def run_suite(
     rows: list[Row] = []
     for w in chosen:
         for dt in dtypes:
-            group = []
-            for impl in impls:
-                group.append(bench_one(w, dt, impl, min_time, ceilings[dt], device, backward))
-                progress.step(f"{w.name} {dt} {impl}")
+            group = bench_group(w, dt, impls, min_time, ceilings[dt], device, backward, progress)
             peers = [r.median_ms for r in group if r.median_ms and IMPLEMENTATIONS[r.impl][1]]
             for r in group:
                 if peers and r.median_ms:
