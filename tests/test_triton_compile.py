@@ -1,8 +1,9 @@
 """The ``triton`` backend's kernels compiled ahead of time for real GPUs, with no GPU: every config the
-wrapper launches must compile for sm80, sm86, sm89 and sm90, fit the target's shared memory per block, and
-for fp16/bf16 spill at most :data:`MAX_SPILL_BYTES` per thread (fp32 and fp64 may spill: the tile lists in
-``packattn.backends.triton`` say why); and the wrapper's own bound of each launch's shared memory
-(``shared_bytes``, which picks the tiles on any GPU) must be at least what Triton allocates.
+wrapper launches must compile for sm80, sm86, sm89 and sm90 (by default sm86 stands for sm89, see below),
+fit the target's shared memory per block, and for fp16/bf16 spill at most :data:`MAX_SPILL_BYTES` per
+thread (fp32 and fp64 may spill: the tile lists in ``packattn.backends.triton`` say why); and the wrapper's
+own bound of each launch's shared memory (``shared_bytes``, which picks the tiles on any GPU) must be at
+least what Triton allocates.
 
 Each case runs the wrapper's own ``forward`` and ``backward`` on meta tensors with the launch replaced by
 a recorder, so what is compiled is what would be launched: the same ``launch_config()``, arguments and
@@ -11,9 +12,9 @@ for the target. Registers and spills come from ``ptxas -v``: ``local`` is the st
 memory per thread (what the driver reports, and Triton's ``n_spills`` is in 4-byte words of it);
 ``spill`` the bytes of spill stores. Run with ``-s`` for the table; ``PACKATTN_FULL_COMPILE_CHECK=1``
 compiles every pair of padded head dims, every mask switch and every target instead of the representative
-matrix. That matrix leaves out sm89, which has sm86's shared memory and so its tiles, and bf16 but at one
-head dim: with all four targets and bf16 at every head dim of the matrix, sm89 compiled to sm86's tiles,
-registers, spills and shared memory in every case, and bf16 to fp16's.
+matrix. That matrix leaves out sm89, which has sm86's shared memory and so its tiles, and keeps bf16 at one
+head dim only: compiled for all four targets with bf16 at every head dim of the matrix, sm89 gave sm86's
+tiles, registers, spills and shared memory in every case, and bf16 gave fp16's.
 Compiles run in worker processes (Triton's interpreter is on in this session), cached under pytest's tmp.
 """
 
