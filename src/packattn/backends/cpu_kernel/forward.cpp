@@ -107,7 +107,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
   // An item of all KV heads over several key tiles (a decoded sequence) fetches, while it loads head h's rows
   // of a tile, the same rows of head h + 1, which it loads next.
   const auto next_rows = [&](const Rows<T>& x, int64_t h) -> int64_t {
-    return heads > 1 && hi - lo > kKeyTile && h + 1 < heads ? x.s1 : 0;
+    return hi - lo > kKeyTile && h + 1 < heads ? x.s1 : 0;
   };
   for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
     const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0;

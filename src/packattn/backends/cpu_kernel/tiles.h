@@ -97,13 +97,13 @@ inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 template <typename T, typename U>
 void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t ld, U* dst,
                int64_t ahead = 0) {
+  const int64_t row_bytes = ahead != 0 ? ((width - 1) * x.s2 + 1) * (int64_t)sizeof(T) : 0;
   for (int64_t r = 0; r < n; ++r) {
-    if (ahead != 0) {
-      const char* next = reinterpret_cast<const char*>(x.at(t0 + r, h) + ahead);
-      const int64_t bytes = ((width - 1) * x.s2 + 1) * (int64_t)sizeof(T);
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+    const T* row = x.at(t0 + r, h);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + ahead) + b, 0, 2);
     }
-    load_row(x.at(t0 + r, h), x.s2, width, dst + r * ld);
+    load_row(row, x.s2, width, dst + r * ld);
     std::fill(dst + r * ld + width, dst + (r + 1) * ld, U(0));
   }
   std::fill(dst + n * ld, dst + npad * ld, U(0));
