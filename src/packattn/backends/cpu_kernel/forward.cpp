@@ -104,11 +104,6 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
   std::fill(w.acc, w.acc + ((heads - 1) * kHeadRows + mp) * ldo, 0.f);
   const int64_t lo = std::max(c0, mask.lo(s, i0)), hi = std::min(c1, mask.hi(s, i1 - 1));
   const Scores score(mask);
-  // An item of all KV heads over several key tiles (a decoded sequence) fetches, while it loads head h's rows
-  // of a tile, the same rows of head h + 1, which it loads next.
-  const auto next_rows = [&](const Rows<T>& x, int64_t h) -> int64_t {
-    return hi - lo > kKeyTile && h + 1 < heads ? x.s1 : 0;
-  };
   for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
     const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0;
     const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
@@ -117,7 +112,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
     for (int64_t h = 0; h < heads; ++h) {
       float *m = w.m + h * kHeadRows, *l = w.l + h * kHeadRows, *acc = w.acc + h * kHeadRows * ldo;
       const auto keys_t = [&](E* slot) {
-        prepare_keys(a.k, s.k0 + j0, bk, h0 + h, d, dp, true, slot, w.tmp, w.scratch, next_rows(a.k, h));
+        prepare_keys(a.k, s.k0 + j0, bk, h0 + h, d, dp, true, slot, w.tmp, w.scratch);
       };
       const E* kt = cached ? w.kt.get(b, h0, tile, keys_t) : w.kt.once(keys_t);
       const E* qa = q_in_place ? reinterpret_cast<const E*>(a.q.at(s.q0 + i0, h0 + h)) : w.q + h * kHeadRows * dp;
@@ -139,7 +134,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
         }
       }
       const auto values = [&](E* slot) {
-        prepare_keys(a.v, s.k0 + j0, bk, h0 + h, dv, ldo, false, slot, w.tmp, w.scratch, next_rows(a.v, h));
+        prepare_keys(a.v, s.k0 + j0, bk, h0 + h, dv, ldo, false, slot, w.tmp, w.scratch);
       };
       const E* vb = cached ? w.v.get(b, h0, tile, values) : w.v.once(values);
       mm(a.how, mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), acc, ldo, true);
