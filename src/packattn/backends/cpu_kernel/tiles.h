@@ -94,9 +94,14 @@ inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 
 // Rows of one head lie a token stride apart (4 KiB in W6's fp32 decode), where the hardware prefetchers fetch
 // little ahead, and loading them waited on memory (86% of the conversion's samples in a W6 bf16 profile).
-// So the loops fetch the rows they read next: a row-by-row load the row kFetchRows on, a blocked transpose
-// the next block's rows. W6 forward 1.12-1.37x fp32, 1.07-1.12x bf16, 1.05-1.09x fp16; W1-W4 unchanged.
+// So the loops fetch the rows they read next: a row-by-row load (of K/V tiles, of query and dO groups) the
+// row kFetchRows on, a blocked transpose the next block's rows. W6 forward 1.12-1.37x fp32, 1.07-1.12x bf16,
+// 1.05-1.09x fp16; W4 backward 1.06x bf16, 1.02x fp32; W1-W3 and W4's forward within 1.00-1.04x.
 constexpr int64_t kFetchRows = 8;
+
+inline void fetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
 
 // Rows [t0, t0 + n) of head h as a [npad, ld] tile: columns from width on and rows from n on are zero.
 template <typename T, typename U>
@@ -104,10 +109,7 @@ void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h,
   const int64_t row_bytes = ((width - 1) * x.s2 + 1) * (int64_t)sizeof(T);
   for (int64_t r = 0; r < n; ++r) {
     const T* row = x.at(t0 + r, h);
-    if (r + kFetchRows < n) {
-      const char* next = reinterpret_cast<const char*>(row + kFetchRows * x.s0);
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
-    }
+    if (r + kFetchRows < n) fetch_bytes(row + kFetchRows * x.s0, row_bytes);
     load_row(row, x.s2, width, dst + r * ld);
     std::fill(dst + r * ld + width, dst + (r + 1) * ld, U(0));
   }
@@ -153,8 +155,10 @@ void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t 
 template <typename T, typename U>
 void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t h, int64_t g, int64_t width, int64_t ld,
                 U* dst) {
+  const int64_t row_bytes = ((width - 1) * x.s2 + 1) * (int64_t)sizeof(T);
   for (int64_t gi = 0; gi < g; ++gi) {
     for (int64_t ii = 0; ii < bq; ++ii) {
+      if (ii + kFetchRows < bq) fetch_bytes(x.at(s.q0 + i0 + ii + kFetchRows, h * g + gi), row_bytes);
       U* row = dst + (gi * bq + ii) * ld;
       load_row(x.at(s.q0 + i0 + ii, h * g + gi), x.s2, width, row);
       std::fill(row + width, row + ld, U(0));
