@@ -96,7 +96,7 @@ inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 // little ahead, and loading them waited on memory (86% of the conversion's samples in a W6 bf16 profile).
 // So the loops fetch the rows they read next: a row-by-row load (of K/V tiles, of query and dO groups) the
 // row kFetchRows on, a blocked transpose the next block's rows. W6 forward 1.12-1.37x fp32, 1.07-1.12x bf16,
-// 1.05-1.09x fp16; W4 backward 1.06x bf16, 1.02x fp32; W1-W3 and W4's forward within 1.00-1.04x.
+// 1.05-1.09x fp16; W4 backward 1.06x bf16, 1.02x fp32; the rest within noise (0.96-1.08x).
 constexpr int64_t kFetchRows = 8;
 
 inline void fetch_bytes(const void* p, int64_t bytes) {
