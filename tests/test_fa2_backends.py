@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import subprocess
 import sys
 import types
 from dataclasses import replace
@@ -313,3 +314,19 @@ def test_refuse_other_devices_and_say_why_here():
         no_cuda = f"torch {torch.__version__} is built without CUDA"
         assert rows["flash_attn"].reason == f"{no_cuda}; flash_attn is not installed"
         assert rows["torch_varlen"].reason == f"torch {torch.__version__} is built without CUDA"
+
+
+def test_a_cuda_build_without_a_device_says_so_and_imports_nothing():
+    """PyPI's default Linux wheel is a CUDA build, on many machines without a GPU: there both kernels are
+    unavailable for that reason, found without importing torch.nn.attention.varlen (which loads torch's
+    compiler stack and Triton). Run in a fresh interpreter, with a CUDA build and no device simulated."""
+    code = (
+        "import sys, torch; torch.version.cuda = '13.0'; torch.cuda.is_available = lambda: False; "
+        "import packattn; rows = {r.name: r for r in packattn.info()}; "
+        "print(rows['torch_varlen'].reason); print(rows['flash_attn'].reason); "
+        "print('torch.nn.attention.varlen' in sys.modules, 'triton' in sys.modules)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    no_device = f"torch {torch.__version__} finds no CUDA device (torch.cuda.is_available() is False)"
+    assert res.stdout.splitlines() == [no_device, f"{no_device}; flash_attn is not installed", "False False"]

@@ -34,9 +34,14 @@ class Fa2Convention(Backend):
     gradients = (OWN_WITHOUT_LSE_GRAD, backward_of("triton"), backward_of("reference"))
 
     def no_cuda_reason(self) -> str | None:
-        """Why these kernels cannot run in this PyTorch build at all (``None`` when CUDA is built in)."""
-        if "cuda" in (self.capabilities.devices or ()) and torch.version.cuda is None:
+        """Why these kernels cannot run here at all: a PyTorch build without CUDA, or no CUDA device (PyPI's
+        default Linux wheel is a CUDA build, on many machines without a GPU). ``None`` when they can."""
+        if "cuda" not in (self.capabilities.devices or ()):
+            return None
+        if torch.version.cuda is None:
             return f"torch {torch.__version__} is built without CUDA"
+        if not torch.cuda.is_available():
+            return f"torch {torch.__version__} finds no CUDA device (torch.cuda.is_available() is False)"
         return None
 
     def special_reasons(self, inp: AttentionInputs) -> list[str]:

@@ -78,7 +78,8 @@ class TorchVarlen(fa2_convention.Fa2Convention):
     capabilities = replace(fa2_convention.Fa2Convention.capabilities, softcap=False, deterministic=False)
 
     def unavailable_reason(self) -> str | None:
-        # Importing torch.nn.attention.varlen loads torch's compiler stack: not on builds that cannot use it.
+        # Importing torch.nn.attention.varlen loads torch's compiler stack (and Triton, where installed): not
+        # where the kernel cannot run.
         return self.no_cuda_reason() or _module()[1]
 
     def own_backward_reasons(self, inp: AttentionInputs) -> list[str]:
