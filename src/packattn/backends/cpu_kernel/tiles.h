@@ -30,6 +30,7 @@ struct Rows {  // a (tokens, heads, dim) tensor with any strides
   const T* data;
   int64_t s0, s1, s2;
   const T* at(int64_t t, int64_t h) const { return data + t * s0 + h * s1; }
+  int64_t span_bytes(int64_t width) const { return ((width - 1) * s2 + 1) * (int64_t)sizeof(T); }  // of a row
 };
 
 template <typename T>
@@ -106,7 +107,7 @@ inline void fetch_bytes(const void* p, int64_t bytes) {
 // Rows [t0, t0 + n) of head h as a [npad, ld] tile: columns from width on and rows from n on are zero.
 template <typename T, typename U>
 void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h, int64_t width, int64_t ld, U* dst) {
-  const int64_t row_bytes = ((width - 1) * x.s2 + 1) * (int64_t)sizeof(T);
+  const int64_t row_bytes = x.span_bytes(width);
   for (int64_t r = 0; r < n; ++r) {
     const T* row = x.at(t0 + r, h);
     if (r + kFetchRows < n) fetch_bytes(row + kFetchRows * x.s0, row_bytes);
@@ -155,7 +156,7 @@ void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t 
 template <typename T, typename U>
 void load_group(const Rows<T>& x, const Seq& s, int64_t i0, int64_t bq, int64_t h, int64_t g, int64_t width, int64_t ld,
                 U* dst) {
-  const int64_t row_bytes = ((width - 1) * x.s2 + 1) * (int64_t)sizeof(T);
+  const int64_t row_bytes = x.span_bytes(width);
   for (int64_t gi = 0; gi < g; ++gi) {
     for (int64_t ii = 0; ii < bq; ++ii) {
       if (ii + kFetchRows < bq) fetch_bytes(x.at(s.q0 + i0 + ii + kFetchRows, h * g + gi), row_bytes);
