@@ -33,6 +33,7 @@ struct BwdArgs {
   float *dq, *dk, *dv;
   int64_t tq, hq, block_q;
   Bf16Products how;  // of bf16 inputs
+  bool stream;       // dq, dk and dv are stored with non-temporal stores (see stream_outputs)
 };
 
 // The query side of rows [i0, i0 + bq) (x G heads): the cached slot holds Q [mp, dp] and dO [mp, dvp] as A
@@ -117,8 +118,14 @@ void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, i
   }
 }
 
-void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, float* dst, int64_t ld_dst) {
-  for (int64_t r = 0; r < n; ++r) std::copy(src + r * ld_src, src + r * ld_src + width, dst + r * ld_dst);
+void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, float* dst, int64_t ld_dst, bool stream) {
+  for (int64_t r = 0; r < n; ++r) {
+    if (stream) {
+      stream_row(dst + r * ld_dst, src + r * ld_src, width);
+    } else {
+      std::copy(src + r * ld_src, src + r * ld_src + width, dst + r * ld_dst);
+    }
+  }
 }
 
 // dK and dV of key tile `tile` of (sequence b, KV head h): the sum over the query blocks that see it. With
@@ -147,8 +154,8 @@ void key_tile_grads(BwdWork<E>& w, const BwdArgs<T>& a, int64_t b, int64_t h, in
     if (dq) mm(w.how, mp, dp, kp, ds, kp, kr, dq + block * mpmax * dp, dp, true);
   }
   const int64_t hkv = sh.hkv, row0 = (s.k0 + j0) * hkv + h;
-  store_rows(dk, bk, sh.d, dp, a.dk + row0 * sh.d, hkv * sh.d);
-  store_rows(dv, bk, sh.dv, dvp, a.dv + row0 * sh.dv, hkv * sh.dv);
+  store_rows(dk, bk, sh.d, dp, a.dk + row0 * sh.d, hkv * sh.d, a.stream);
+  store_rows(dv, bk, sh.dv, dvp, a.dv + row0 * sh.dv, hkv * sh.dv, a.stream);
 }
 
 template <typename E, typename T>
@@ -156,7 +163,7 @@ void store_dq(const BwdArgs<T>& a, const Seq& s, int64_t h, int64_t i0, int64_t 
   const int64_t dp = tile_width<E>(a.sh.d);
   for (int64_t gi = 0; gi < a.sh.g; ++gi) {
     float* dst = a.dq + ((s.q0 + i0) * a.hq + h * a.sh.g + gi) * a.sh.d;
-    store_rows(dq + gi * bq * dp, bq, a.sh.d, dp, dst, a.hq * a.sh.d);
+    store_rows(dq + gi * bq * dp, bq, a.sh.d, dp, dst, a.hq * a.sh.d, a.stream);
   }
 }
 
@@ -234,13 +241,15 @@ void run_backward(const BwdArgs<T>& a) {
       w.dq = buffer(w.keep, query_blocks * mp * dp);
       return w;
     };
-    run_plan(whole, amx, fused, [&](const Item& it, int64_t, BwdWork<E>& w) { sequence_item(it, w, a); });
+    run_plan(whole, amx, fused, [&](const Item& it, int64_t, BwdWork<E>& w) { sequence_item(it, w, a); }, stream_fence);
     return;
   }
-  run_plan(make_plan(a.seqs, a.mask, sh, kKeyTile, true), amx, make,
-           [&](const Item& it, int64_t, BwdWork<E>& w) { dkdv_item(it, w, a); });
-  run_plan(make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
-           [&](const Item& it, int64_t, BwdWork<E>& w) { dq_item(it, w, a); });
+  run_plan(
+      make_plan(a.seqs, a.mask, sh, kKeyTile, true), amx, make,
+      [&](const Item& it, int64_t, BwdWork<E>& w) { dkdv_item(it, w, a); }, stream_fence);
+  run_plan(
+      make_plan(a.seqs, a.mask, sh, a.block_q, false), amx, make,
+      [&](const Item& it, int64_t, BwdWork<E>& w) { dq_item(it, w, a); }, stream_fence);
 }
 
 }  // namespace
@@ -279,7 +288,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                               tq,
                               hq,
                               block_q,
-                              how};
+                              how,
+                              stream_outputs({dq, dk, dv})};
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (how != Bf16Products::kFp32) return run_backward<at::BFloat16>(a);
     }

@@ -33,6 +33,7 @@ struct FwdArgs {
   float* lse;  // nullptr: no LSE
   int64_t tq, hq, block_q;
   Bf16Products how;  // of bf16 inputs
+  bool stream;       // the output rows are stored with non-temporal stores (see stream_outputs)
 };
 
 // Online softmax of one row of raw scores over its visible columns [c0, c1): writes exp(score - m_new) there
@@ -158,7 +159,10 @@ void store_rows(const Seq& s, int64_t i0, int64_t bq, int64_t h, const float* m,
     T* dst = a.out + (t * a.hq + head) * dv;
     if (fine) {
       const Vec inv(1.f / l[r]);
-      if constexpr (std::is_same_v<T, float>) {  // normalised straight into the output
+      if (a.stream) {
+        at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
+        stream_row(dst, row, dv);
+      } else if constexpr (std::is_same_v<T, float>) {  // normalised straight into the output
         at::vec::map([inv](Vec x) { return x * inv; }, dst, row, dv);
       } else {
         at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
@@ -287,8 +291,9 @@ void run_forward(const FwdArgs<T>& a) {
     w.v.init(w.keep, tiles, kKeyTile * ldo);
     return w;
   };
-  run_plan(plan, bf16 && a.how == Bf16Products::kAmx, make,
-           [&](const Item& it, int64_t index, FwdWork<E>& w) { forward_item(it, index, w, a, parts); });
+  run_plan(
+      plan, bf16 && a.how == Bf16Products::kAmx, make,
+      [&](const Item& it, int64_t index, FwdWork<E>& w) { forward_item(it, index, w, a, parts); }, stream_fence);
   if (part_floats == 0) return;
   std::vector<std::pair<int64_t, int64_t>> merges;  // items [first, last) of each chunked sequence
   for (int64_t i = 0; i < (int64_t)plan.items.size(); ++i) {
@@ -298,6 +303,7 @@ void run_forward(const FwdArgs<T>& a) {
   }
   at::parallel_for(0, merges.size(), 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) merge_chunks(plan, merges[m].first, merges[m].second, parts, a);
+    stream_fence();
   });
 }
 
@@ -329,7 +335,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                               tq,
                               hq,
                               block_q,
-                              how};
+                              how,
+                              stream_outputs({out})};
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (how != Bf16Products::kFp32) return run_forward<at::BFloat16>(a);
     }

@@ -87,9 +87,9 @@ struct AmxRelease {
 };
 
 // Runs fn(item, its index in the plan, workspace) for every item: thread t gets a contiguous run of items of about
-// 1/threads of the total cost, and one workspace from make_workspace().
+// 1/threads of the total cost, and one workspace from make_workspace(); then done(), if given, on each thread.
 template <typename W, typename F>
-void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) {
+void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn, void (*done)() = nullptr) {
   const int64_t n = plan.items.size();
   if (n == 0) return;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -106,6 +106,7 @@ void run_plan(const Plan& plan, bool amx, const W& make_workspace, const F& fn) 
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t i = bound[t]; i < bound[t + 1]; ++i) fn(plan.items[i], i, ws);
     }
+    if (done) done();
   });
 }
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -57,6 +58,21 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
   if (last >= first + 2 * kHuge) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #endif
   return t;
+}
+
+// Whether outputs are stored past the caches (stream_row): rows of whole 64-byte lines, and more output per
+// thread than a core's L2 keeps beside the tiles (1 MiB), which a consumer would read from memory anyway.
+// W3 (70 MB of fp32 output, and of each gradient): forward 1.10-1.13x faster, 1.09x with the output read
+// right after the call; backward 1.12-1.24x.
+inline bool stream_outputs(std::initializer_list<at::Tensor> outputs) {
+  constexpr int64_t kStreamBytesPerThread = int64_t(1) << 20;
+  int64_t bytes = 0;
+  for (const at::Tensor& t : outputs) {
+    const bool lines = t.size(-1) * t.element_size() % 64 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0;
+    if (!lines) return false;
+    bytes += t.nbytes();
+  }
+  return bytes >= kStreamBytesPerThread * at::get_num_threads();
 }
 
 // src[0, n) as fp32. ATen's at::vec::convert has no vectorized bf16/fp16 -> fp32 loop: it converts one

@@ -1,6 +1,7 @@
-// Vector math on fp32 lanes: everything that depends on the CPU capability is behind the one switch below
-// (raw AVX-512 for the softmax's exp and for bf16 stores; ATen's portable versions for every other
-// capability). The rest is written on ATen's Vectorized<float> and compiles for any capability.
+// Vector math on fp32 lanes: everything that depends on the CPU capability is behind two switches, one for
+// the softmax's exp and bf16 stores (raw AVX-512; ATen's portable versions for every other capability), one
+// for the streamed stores (the widest non-temporal store the build's ISA has; a plain copy off x86). The rest
+// is written on ATen's Vectorized<float> and compiles for any capability.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -13,9 +14,10 @@
 
 #include "mask.h"
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <cstring>
 
 namespace packattn_kernel::detail {
 
@@ -65,6 +67,47 @@ inline void store_pair(at::BFloat16* dst, Vec a, Vec b, int64_t cnt) {
 inline void store_pair(float* dst, Vec a, Vec b, int64_t cnt) {
   a.store(dst, std::min(cnt, kVec));
   if (cnt > kVec) b.store(dst + kVec, cnt - kVec);
+}
+
+// Non-temporal stores, for output rows that nothing in the call reads again: the line goes to memory without
+// the read for ownership of an ordinary store and without evicting the working tiles from the caches.
+// stream_line writes 64 bytes to a 64-byte aligned dst; stream_fence orders the writer's streamed lines
+// before its later stores (each thread calls it before the threads join).
+inline void stream_line(void* dst, const void* src) {
+#if defined(__AVX512F__)
+  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+#elif defined(__AVX__)
+  for (int i = 0; i < 2; ++i) {
+    _mm256_stream_si256(static_cast<__m256i*>(dst) + i, _mm256_loadu_si256(static_cast<const __m256i*>(src) + i));
+  }
+#elif defined(__x86_64__)
+  for (int i = 0; i < 4; ++i) {
+    _mm_stream_si128(static_cast<__m128i*>(dst) + i, _mm_loadu_si128(static_cast<const __m128i*>(src) + i));
+  }
+#else
+  std::memcpy(dst, src, 64);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+// dst[0, n) = x[0, n) in dst's type, streamed: n x sizeof(T) a multiple of 64, dst 64-byte aligned.
+template <typename T>
+void stream_row(T* dst, const float* x, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t c = 0; c < n; c += kLine) {
+    if constexpr (std::is_same_v<T, float>) {
+      stream_line(dst + c, x + c);
+    } else {
+      alignas(64) T line[kLine];
+      at::vec::convert(x + c, line, kLine);
+      stream_line(dst + c, line);
+    }
+  }
 }
 
 // Largest of x[0, n), n > 0: four independent chains (one is bound by the latency of max).
