@@ -192,16 +192,15 @@ def test_one_and_two_threads_give_the_same_bits_per_bf16_products(bf16_products,
 
 
 # Outputs of at least 1 MiB per thread go out with non-temporal stores when their rows are whole 64-byte
-# lines. 96 sequences of 40-88 tokens with 4 query heads and 2 KV heads of 64 dims give 3-6 MiB of output and
-# 12 MiB of fp32 gradients: streamed at 1 thread (and at 2 where more than 2 MiB), stored as usual at 16,
-# where the rule asks for 16 MiB. A head dim of 72 is no whole number of lines in any dtype: never streamed.
+# lines (the other tests' outputs are smaller). 96 sequences of 40-88 tokens with 4 query heads and 2 KV heads
+# of 64 dims give 3-6 MiB of output and 12 MiB of fp32 gradients: streamed at 1 thread (and at 2 where over
+# 2 MiB), stored as usual at 16 threads, where the rule asks for 16 MiB.
 STREAMED = [40 + (7 * i) % 49 for i in range(96)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 72])
-def test_streamed_outputs_match_the_oracle_and_give_the_same_bits(dtype, d):
-    case = make_case(STREAMED, STREAMED, hq=4, hkv=2, d=d, dtype=DTYPES[dtype], seed=31, requires_grad=True)
+def test_streamed_outputs_match_the_oracle_and_give_the_same_bits(dtype):
+    case = make_case(STREAMED, STREAMED, hq=4, hkv=2, d=64, dtype=DTYPES[dtype], seed=31, requires_grad=True)
     check_forward("cpu_kernel", case, causal=True)
     check_backward("cpu_kernel", case, causal=True)
     _assert_same_bits_at_any_thread_count(case, MASKS["causal"], threads=(1, 16, 2))
