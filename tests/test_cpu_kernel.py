@@ -351,16 +351,20 @@ def test_entry_points_check_their_own_inputs(bad):
         module.backward(*bwd)
 
 
-def test_entry_points_run_on_valid_direct_calls():
-    """The checks above refuse only what is wrong: the same direct call, unchanged, runs."""
-    a = _direct_args()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entry_points_run_on_valid_direct_calls(dtype):
+    """The checks above refuse only what is wrong: the same direct call, unchanged, runs, and returns out
+    and the gradients in the inputs' dtype (the LSE in float32)."""
+    a = {n: t.to(DTYPES[dtype]) if n in ("q", "k", "v", "dout") else t for n, t in _direct_args().items()}
     module = build.load()
     out, lse = module.forward(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1, True, "")
     assert out.shape == (7, 4, 6) and lse.shape == (4, 7)
+    assert out.dtype == DTYPES[dtype] and lse.dtype == torch.float32
     grads = module.backward(
         a["q"], a["k"], a["v"], a["dout"], lse, a["delta"], a["cu_q"], a["cu_k"], 0.3, 0.0, -1, -1, ""
     )
     assert [g.shape for g in grads] == [a["q"].shape, a["k"].shape, a["v"].shape]
+    assert all(g.dtype == DTYPES[dtype] for g in grads)
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -78,10 +78,9 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``q, k, v`` in their dtype, through ``out`` and (when given) the LSE."""
     delta = reference.delta(out, dout, dlse).contiguous()  # (Hq, Tq) float32: fp64 never gets here
-    dq, dk, dv = build.load().backward(
+    return build.load().backward(
         inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta, *_offsets(inp), *_mask_args(inp), bf16_products()
     )
-    return dq.to(inp.q.dtype), dk.to(inp.k.dtype), dv.to(inp.v.dtype)
 
 
 class CpuKernel(Backend):

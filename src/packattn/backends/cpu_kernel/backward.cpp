@@ -30,7 +30,7 @@ struct BwdArgs {
   Shape sh;
   Rows<T> q, k, v, dout;
   const float *lse, *delta;
-  float *dq, *dk, *dv;
+  T *dq, *dk, *dv;  // in the inputs' dtype
   int64_t tq, hq, block_q;
   Bf16Products how;  // of bf16 inputs
   bool stream;       // dq, dk and dv are stored with non-temporal stores (see stream_outputs)
@@ -118,12 +118,14 @@ void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, i
   }
 }
 
-void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, float* dst, int64_t ld_dst, bool stream) {
+// Rows of fp32 gradient sums into the gradient tensor, in its dtype.
+template <typename T>
+void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, T* dst, int64_t ld_dst, bool stream) {
   for (int64_t r = 0; r < n; ++r) {
     if (stream) {
       stream_row(dst + r * ld_dst, src + r * ld_src, width);
     } else {
-      std::copy(src + r * ld_src, src + r * ld_src + width, dst + r * ld_dst);
+      at::vec::convert(src + r * ld_src, dst + r * ld_dst, width);
     }
   }
 }
@@ -162,7 +164,7 @@ template <typename E, typename T>
 void store_dq(const BwdArgs<T>& a, const Seq& s, int64_t h, int64_t i0, int64_t bq, const float* dq) {
   const int64_t dp = tile_width<E>(a.sh.d);
   for (int64_t gi = 0; gi < a.sh.g; ++gi) {
-    float* dst = a.dq + ((s.q0 + i0) * a.hq + h * a.sh.g + gi) * a.sh.d;
+    T* dst = a.dq + ((s.q0 + i0) * a.hq + h * a.sh.g + gi) * a.sh.d;
     store_rows(dq + gi * bq * dp, bq, a.sh.d, dp, dst, a.hq * a.sh.d, a.stream);
   }
 }
@@ -268,9 +270,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   const Shape sh{hkv, hq / hkv, q.size(2), v.size(2)};
   const Mask mask{(float)scale, (float)softcap, left, right};
   const auto seqs = sequences(cu_q, cu_k);
-  const auto f32 = q.options().dtype(at::kFloat);
-  auto dq = empty_output({tq, hq, sh.d}, f32), dk = empty_output({tk, hkv, sh.d}, f32),
-       dv = empty_output({tk, hkv, sh.dv}, f32);
+  auto dq = empty_output({tq, hq, sh.d}, q.options()), dk = empty_output({tk, hkv, sh.d}, q.options()),
+       dv = empty_output({tk, hkv, sh.dv}, q.options());
   const int64_t block_q = std::max<int64_t>(1, kBwdRows / sh.g);
   PACKATTN_DISPATCH(q.scalar_type(), "packattn_backward", [&] {
     const BwdArgs<scalar_t> a{seqs,
@@ -282,9 +283,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
                               rows_of<scalar_t>(dout),
                               lse.data_ptr<float>(),
                               delta.data_ptr<float>(),
-                              dq.data_ptr<float>(),
-                              dk.data_ptr<float>(),
-                              dv.data_ptr<float>(),
+                              dq.data_ptr<scalar_t>(),
+                              dk.data_ptr<scalar_t>(),
+                              dv.data_ptr<scalar_t>(),
                               tq,
                               hq,
                               block_q,

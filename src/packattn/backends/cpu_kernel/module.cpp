@@ -28,7 +28,8 @@ size_t test_parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &packattn_kernel::attention_forward, "packed varlen attention forward -> (out, lse)");
-  m.def("backward", &packattn_kernel::attention_backward, "packed varlen attention backward -> (dq, dk, dv), fp32");
+  m.def("backward", &packattn_kernel::attention_backward,
+        "packed varlen attention backward -> (dq, dk, dv), in the inputs' dtype");
   m.def("bf16_products", &packattn_kernel::bf16_products,
         "how bf16 inputs can be multiplied on this CPU and build (fp32, avx512_bf16, amx), the default first");
   m.def("_test_parallel_threads", &test_parallel_threads,
