@@ -367,6 +367,40 @@ def test_entry_points_run_on_valid_direct_calls(dtype):
     assert all(g.dtype == DTYPES[dtype] for g in grads)
 
 
+DELTA_BAD = {
+    "out_2d": ((torch.randn(7, 4), torch.randn(7, 4)), "expected out of 3 dims"),
+    "shapes": ((torch.randn(7, 4, 6), torch.randn(7, 4, 5)), "expected dout of out's shape"),
+    "float64": ((torch.randn(7, 4, 6).double(), torch.randn(7, 4, 6).double()), "expected out of dtype Float"),
+    "dtypes": ((torch.randn(7, 4, 6), torch.randn(7, 4, 6).bfloat16()), "expected dout of out's dtype"),
+    "meta": ((torch.randn(7, 4, 6), torch.empty(7, 4, 6, device="meta")), "expected dout on the CPU"),
+}
+
+
+@pytest.mark.parametrize("bad", DELTA_BAD)
+def test_delta_entry_point_checks_its_inputs(bad):
+    args, message = DELTA_BAD[bad]
+    with pytest.raises(RuntimeError, match=message):
+        build.load().delta(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "expanded", "heads_major", "last_dim_stride_2"])
+def test_delta_entry_point_on_any_strides(dtype, layout):
+    """rowsum(dout * out) as (Hq, Tq), with dout as autograd hands it over: expanded from a sum, or a view."""
+    gen = torch.Generator().manual_seed(33)
+    out = torch.randn(37, 3, 40, generator=gen).to(DTYPES[dtype])
+    dout = {
+        "contiguous": lambda: torch.randn(37, 3, 40, generator=gen),
+        "expanded": lambda: torch.full((1, 1, 1), 0.5).expand(37, 3, 40),
+        "heads_major": lambda: torch.randn(3, 37, 40, generator=gen).transpose(0, 1),
+        "last_dim_stride_2": lambda: torch.randn(37, 3, 80, generator=gen)[..., ::2],
+    }[layout]().to(DTYPES[dtype])
+    got = build.load().delta(out, dout)
+    expected = (out.double() * dout.double()).sum(-1).transpose(0, 1)
+    assert got.dtype == torch.float32 and got.shape == (3, 37)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     src = str(Path(packattn.__file__).parents[1])
     full = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}

@@ -28,7 +28,6 @@ import os
 import torch
 
 from ...inputs import AttentionInputs
-from .. import reference
 from ..base import Backend, Capabilities, Grads
 from . import build
 
@@ -77,8 +76,11 @@ def backward(
     dlse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``q, k, v`` in their dtype, through ``out`` and (when given) the LSE."""
-    delta = reference.delta(out, dout, dlse).contiguous()  # (Hq, Tq) float32: fp64 never gets here
-    return build.load().backward(
+    module = build.load()
+    delta = module.delta(out, dout)  # (Hq, Tq) float32
+    if dlse is not None:
+        delta -= dlse.float()
+    return module.backward(
         inp.q, inp.k, inp.v, dout, lse.float().contiguous(), delta, *_offsets(inp), *_mask_args(inp), bf16_products()
     )
 

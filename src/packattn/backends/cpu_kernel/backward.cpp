@@ -256,6 +256,28 @@ void run_backward(const BwdArgs<T>& a) {
 
 }  // namespace
 
+at::Tensor attention_delta(const at::Tensor& out, const at::Tensor& dout) {
+  constexpr const char* kWhere = "packattn cpu_kernel delta";
+  check_delta_inputs(kWhere, out, dout);
+  const int64_t tq = out.size(0), hq = out.size(1), dv = out.size(2);
+  auto delta = at::empty({hq, tq}, out.options().dtype(at::kFloat));
+  float* d = delta.data_ptr<float>();
+  PACKATTN_DISPATCH(out.scalar_type(), "packattn_delta", [&] {
+    const Rows<scalar_t> o = rows_of<scalar_t>(out), g = rows_of<scalar_t>(dout);
+    at::parallel_for(0, tq, 64, [&](int64_t t0, int64_t t1) {
+      std::vector<float> x(dv), y(dv);  // one row of each in fp32
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h = 0; h < hq; ++h) {
+          load_row(o.at(t, h), o.s2, dv, x.data());
+          load_row(g.at(t, h), g.s2, dv, y.data());
+          d[h * tq + t] = dot(x.data(), y.data(), dv);
+        }
+      }
+    });
+  });
+  return delta;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k,
                                                                   const at::Tensor& v, const at::Tensor& dout,
                                                                   const at::Tensor& lse, const at::Tensor& delta,

@@ -80,6 +80,20 @@ inline void check_inputs(const char* where, const at::Tensor& q, const at::Tenso
   check_mask(where, scale, softcap, left, right);
 }
 
+// out and dout (Tq, Hq, Dv) of one shape and one dtype among float32, bfloat16 and float16, any strides.
+inline void check_delta_inputs(const char* where, const at::Tensor& out, const at::Tensor& dout) {
+  check_cpu(where, "out", out);
+  check_cpu(where, "dout", dout);
+  TORCH_CHECK(out.dim() == 3, where, ": expected out of 3 dims (tokens, heads, head_dim), got shape ", out.sizes());
+  TORCH_CHECK(dout.sizes() == out.sizes(), where, ": expected dout of out's shape ", out.sizes(), ", got ",
+              dout.sizes());
+  const at::ScalarType dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, where,
+              ": expected out of dtype Float, BFloat16 or Half, got ", dtype);
+  TORCH_CHECK(dout.scalar_type() == dtype, where, ": expected dout of out's dtype (", dtype, "), got ",
+              dout.scalar_type());
+}
+
 // The backward's own inputs: dout (Tq, Hq, Dv) of q's dtype; lse and delta float32 (Hq, Tq), contiguous.
 inline void check_grad_inputs(const char* where, const at::Tensor& q, const at::Tensor& v, const at::Tensor& dout,
                               const at::Tensor& lse, const at::Tensor& delta) {

@@ -76,7 +76,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      double softcap, int64_t left, int64_t right, bool with_lse,
                                                      const std::string& bf16_products);
 
-// dQ, dK, dV in float32, from dout, the forward's LSE and delta = rowsum(dout * out) - dLSE, both (Hq, Tq).
+// rowsum(dout * out) in float32, (Hq, Tq): the backward's delta before the LSE's gradient is subtracted.
+at::Tensor attention_delta(const at::Tensor& out, const at::Tensor& dout);
+
+// dQ, dK, dV in the inputs' dtype, from dout, the forward's LSE and delta = rowsum(dout * out) - dLSE, both
+// (Hq, Tq).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k,
                                                                   const at::Tensor& v, const at::Tensor& dout,
                                                                   const at::Tensor& lse, const at::Tensor& delta,

@@ -28,6 +28,7 @@ size_t test_parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &packattn_kernel::attention_forward, "packed varlen attention forward -> (out, lse)");
+  m.def("delta", &packattn_kernel::attention_delta, "rowsum(dout * out) in float32, (Hq, Tq)");
   m.def("backward", &packattn_kernel::attention_backward,
         "packed varlen attention backward -> (dq, dk, dv), in the inputs' dtype");
   m.def("bf16_products", &packattn_kernel::bf16_products,

@@ -110,6 +110,15 @@ void stream_row(T* dst, const float* x, int64_t n) {
   }
 }
 
+// Sum of x[i] y[i] over [0, n).
+inline float dot(const float* x, const float* y, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) acc = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(y + i), acc);
+  if (i < n) acc = at::vec::fmadd(Vec::loadu(x + i, n - i), Vec::loadu(y + i, n - i), acc);  // zeros past n
+  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, acc);
+}
+
 // Largest of x[0, n), n > 0: four independent chains (one is bound by the latency of max).
 inline float row_max(const float* x, int64_t n) {
   const auto mx = [](Vec a, Vec b) { return at::vec::maximum(a, b); };
