@@ -18,7 +18,7 @@ constexpr int64_t kHeadRows = (kWholeHeadsRows + 15) / 16 * 16;  // between KV h
 template <typename E>  // tile element: float, or BFloat16 (on AMX or the dot-product kernel)
 struct FwdWork {
   std::vector<at::Tensor> keep;
-  float *s, *acc, *m, *l;
+  float *s, *acc, *m, *l, *top;
   E *q, *p, *tmp, *scratch;
   TileCache<E> kt, v;  // K^T and V tiles of the current (sequence, KV head)
 };
@@ -38,15 +38,18 @@ struct FwdArgs {
 
 // Online softmax of one row of raw scores over its visible columns [c0, c1): writes exp(score - m_new) there
 // and zeros in the rest of p[0, width) (p may be the row itself), updates the running max m and sum l, and
-// returns the factor by which the row's accumulator must be rescaled. Two passes: max, then exp and sum.
+// returns the factor by which the row's accumulator must be rescaled. raw_max: the row's largest raw score
+// over [c0, c1). The caller finds the maxima of all the tile's rows in a pass of its own, and this function is
+// inlined into its loop, so that the rows' reductions overlap rather than wait on each other (W3 forward
+// 1.05-1.08x).
 template <typename E>
-float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width, const Scores& score, float& m,
-                  float& l) {
+__attribute__((always_inline)) inline float softmax_row(const float* row, E* p, int64_t c0, int64_t c1, int64_t width,
+                                                        float raw_max, const Scores& score, float& m, float& l) {
   if (c1 <= c0) {
     std::fill(p, p + width, E(0));
     return 1.f;
   }
-  const float top = score(row_max(row + c0, c1 - c0));
+  const float top = score(raw_max);
   const float m_new = std::isnan(top) ? top : std::max(m, top);  // a NaN score makes the row NaN from here on
   if (m_new == kNegInf) {  // every visible score so far -inf (infinite inputs): nothing to add yet
     std::fill(p, p + width, E(0));
@@ -120,7 +123,11 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
       mm(a.how, mp, n, dp, qa, q_in_place ? a.q.s0 : dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
       for (int64_t r = 0; r < rows; ++r) {
         auto [cs, ce] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
-        const float alpha = softmax_row(w.s + r * n, p + r * n, cs, ce, n, score, m[r], l[r]);
+        w.top[r] = ce > cs ? row_max(w.s + r * n + cs, ce - cs) : kNegInf;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        auto [cs, ce] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
+        const float alpha = softmax_row(w.s + r * n, p + r * n, cs, ce, n, w.top[r], score, m[r], l[r]);
         if (alpha != 1.f) {
           const Vec factor(alpha);
           at::vec::map([factor](Vec x) { return x * factor; }, acc + r * ldo, acc + r * ldo, dv);
@@ -283,6 +290,7 @@ void run_forward(const FwdArgs<T>& a) {
     w.acc = buffer(w.keep, state_rows * ldo);
     w.m = buffer(w.keep, state_rows);
     w.l = buffer(w.keep, state_rows);
+    w.top = buffer(w.keep, state_rows);
     w.q = buffer<E>(w.keep, state_rows * dp);
     w.scratch = buffer<E>(w.keep, kKeyTile * std::max(dp, ldo));
     w.tmp = bf16 ? buffer<E>(w.keep, kKeyTile * std::max(dp, ldo)) : nullptr;
