@@ -388,13 +388,15 @@ def test_delta_entry_point_checks_its_inputs(bad):
 def test_delta_entry_point_on_any_strides(dtype, layout):
     """rowsum(dout * out) as (Hq, Tq), with dout as autograd hands it over: expanded from a sum, or a view."""
     gen = torch.Generator().manual_seed(33)
-    out = torch.randn(37, 3, 40, generator=gen).to(DTYPES[dtype])
+    dt = DTYPES[dtype]
+    out = torch.randn(37, 3, 40, generator=gen).to(dt)
     dout = {
-        "contiguous": lambda: torch.randn(37, 3, 40, generator=gen),
-        "expanded": lambda: torch.full((1, 1, 1), 0.5).expand(37, 3, 40),
-        "heads_major": lambda: torch.randn(3, 37, 40, generator=gen).transpose(0, 1),
-        "last_dim_stride_2": lambda: torch.randn(37, 3, 80, generator=gen)[..., ::2],
-    }[layout]().to(DTYPES[dtype])
+        "contiguous": lambda: torch.randn(37, 3, 40, generator=gen).to(dt),
+        "expanded": lambda: torch.full((1, 1, 1), 0.5, dtype=dt).expand(37, 3, 40),
+        "heads_major": lambda: torch.randn(3, 37, 40, generator=gen).to(dt).transpose(0, 1),
+        "last_dim_stride_2": lambda: torch.randn(37, 3, 80, generator=gen).to(dt)[..., ::2],
+    }[layout]()
+    assert (dout.stride(2) == 0) == (layout == "expanded")
     got = build.load().delta(out, dout)
     expected = (out.double() * dout.double()).sum(-1).transpose(0, 1)
     assert got.dtype == torch.float32 and got.shape == (3, 37)
