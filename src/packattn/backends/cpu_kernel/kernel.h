@@ -20,7 +20,7 @@
 //   plan.h      work items, their costs and their split between threads
 //   tiles.h     tiles of the inputs, prepared B operands and their cache, the matrix products
 //   bf16_dot.h  the VNNI packing of bf16 B operands and the AVX512_BF16 product kernel
-//   vec_math.h  fp32 vector math; the code that depends on the CPU capability, behind one switch
+//   vec_math.h  fp32 vector math and streamed stores; the code that depends on the CPU capability or ISA
 //   checks.h    the TORCH_CHECKs of the entry points
 #pragma once
 
