@@ -121,13 +121,7 @@ void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, i
 // Rows of fp32 gradient sums into the gradient tensor, in its dtype.
 template <typename T>
 void store_rows(const float* src, int64_t n, int64_t width, int64_t ld_src, T* dst, int64_t ld_dst, bool stream) {
-  for (int64_t r = 0; r < n; ++r) {
-    if (stream) {
-      stream_row(dst + r * ld_dst, src + r * ld_src, width);
-    } else {
-      at::vec::convert(src + r * ld_src, dst + r * ld_dst, width);
-    }
-  }
+  for (int64_t r = 0; r < n; ++r) store_row(dst + r * ld_dst, src + r * ld_src, width, stream);
 }
 
 // dK and dV of key tile `tile` of (sequence b, KV head h): the sum over the query blocks that see it. With

@@ -166,14 +166,11 @@ void store_rows(const Seq& s, int64_t i0, int64_t bq, int64_t h, const float* m,
     T* dst = a.out + (t * a.hq + head) * dv;
     if (fine) {
       const Vec inv(1.f / l[r]);
-      if (a.stream) {
-        at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
-        stream_row(dst, row, dv);
-      } else if constexpr (std::is_same_v<T, float>) {  // normalised straight into the output
-        at::vec::map([inv](Vec x) { return x * inv; }, dst, row, dv);
+      if (std::is_same_v<T, float> && !a.stream) {  // normalised straight into the output (T is float)
+        at::vec::map([inv](Vec x) { return x * inv; }, reinterpret_cast<float*>(dst), row, dv);
       } else {
         at::vec::map([inv](Vec x) { return x * inv; }, row, row, dv);
-        at::vec::convert(row, dst, dv);
+        store_row(dst, row, dv, a.stream);
       }
     } else {
       std::fill(dst, dst + dv, T(sees ? kNaN : 0.f));

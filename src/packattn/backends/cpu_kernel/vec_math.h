@@ -110,6 +110,13 @@ void stream_row(T* dst, const float* x, int64_t n) {
   }
 }
 
+// dst[0, n) = x[0, n) in dst's type, streamed (as stream_row) or with ordinary stores.
+template <typename T>
+void store_row(T* dst, const float* x, int64_t n, bool stream) {
+  if (stream) return stream_row(dst, x, n);
+  at::vec::convert(x, dst, n);
+}
+
 // Sum of x[i] y[i] over [0, n).
 inline float dot(const float* x, const float* y, int64_t n) {
   Vec acc(0.f);
