@@ -105,11 +105,13 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
   }
   std::fill(w.m, w.m + (heads - 1) * kHeadRows + mp, kNegInf);
   std::fill(w.l, w.l + (heads - 1) * kHeadRows + mp, 0.f);
-  std::fill(w.acc, w.acc + ((heads - 1) * kHeadRows + mp) * ldo, 0.f);
   const int64_t lo = std::max(c0, mask.lo(s, i0)), hi = std::min(c1, mask.hi(s, i1 - 1));
+  // The first tile's P V overwrites the accumulator (its factor is 1): zeros only where no tile comes.
+  if (lo >= hi) std::fill(w.acc, w.acc + ((heads - 1) * kHeadRows + mp) * ldo, 0.f);
   const Scores score(mask);
   for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
     const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0;
+    const bool add = tile != lo / kKeyTile;
     const int64_t n = usable_cols<E>(hi - j0, pad16(bk));  // the columns any row of the item sees
     const bool full = tile_fully_visible(mask, s, i0, i1, j0, j0 + bk);
     E* p = std::is_same_v<E, float> ? reinterpret_cast<E*>(w.s) : w.p;  // P in place, or as bf16 beside it
@@ -137,7 +139,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
         // fp32 V rows straight from the tensor when no later item reuses the tile: no copy, and the product
         // takes the bk keys (P is zero beyond them, so the sums are the same)
         if (a.v.s2 == 1 && (!cached || s.lq <= a.block_q)) {
-          mm(a.how, mp, ldo, std::min(n, bk), p, n, BOperand{a.v.at(s.k0 + j0, h0 + h), a.v.s0}, acc, ldo, true);
+          mm(a.how, mp, ldo, std::min(n, bk), p, n, BOperand{a.v.at(s.k0 + j0, h0 + h), a.v.s0}, acc, ldo, add);
           continue;
         }
       }
@@ -145,7 +147,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
         prepare_keys(a.v, s.k0 + j0, bk, h0 + h, dv, ldo, false, slot, w.tmp, w.scratch);
       };
       const E* vb = cached ? w.v.get(b, h0, tile, values) : w.v.once(values);
-      mm(a.how, mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), acc, ldo, true);
+      mm(a.how, mp, ldo, n, p, n, b_operand(vb, pad16(bk), ldo), acc, ldo, add);
     }
   }
 }
