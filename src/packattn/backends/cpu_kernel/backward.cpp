@@ -142,10 +142,10 @@ void key_tile_grads(BwdWork<E>& w, const BwdArgs<T>& a, int64_t b, int64_t h, in
     const int64_t i0 = block * a.block_q, bq = std::min(s.lq, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
     const QuerySide<E> qs = query_side(w, a, s, b, block, h);
     grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
-    transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp);  // P^T
+    transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp, mp);  // P^T
     mm(w.how, kp, dvp, mp, w.st, mp, qs.dout_b, dv, dvp, true);
     const E* ds = as_tile(w.ds, mp * kp, w.half);
-    transpose(ds, mp, kp, kp, w.st, mp);  // dS^T
+    transpose(ds, mp, kp, kp, w.st, mp, mp);  // dS^T
     mm(w.how, kp, dp, mp, w.st, mp, qs.q_b, dk, dp, true);
     if (dq) mm(w.how, mp, dp, kp, ds, kp, kr, dq + block * mpmax * dp, dp, true);
   }

@@ -133,16 +133,39 @@ void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h,
   std::fill(dst + n * ld, dst + npad * ld, U(0));
 }
 
-// [rows, cols] (ld_src) -> [cols, rows] (ld_dst) in blocks of ATen's vectorized transposes (of 64-byte
-// rows). fetch: src is a tensor's rows of one head (see kFetchRows).
+// src [m, n] (ld_src) -> dst [n, m_pad] (ld_dst), rows m to m_pad of dst zero; m <= m_pad and n at most
+// one block (16 fp32, 32 bf16).
 template <typename E>
-void transpose(const E* src, int64_t rows, int64_t cols, int64_t ld_src, E* dst, int64_t ld_dst, bool fetch = false) {
+void transpose_block(const E* src, int64_t ld_src, E* dst, int64_t ld_dst, int m, int m_pad, int n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<E, float>) return transpose16(src, ld_src, dst, ld_dst, m, m_pad, n);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<E, float>) {  // four blocks of 8 x 8
+    for (int i = 0; i < m_pad; i += 8) {
+      for (int j = 0; j < n; j += 8) {
+        transpose8(src + i * ld_src + j, ld_src, dst + j * ld_dst + i, ld_dst, std::clamp(m - i, 0, 8),
+                   std::min(m_pad - i, 8), std::min(n - j, 8));
+      }
+    }
+    return;
+  }
+#endif
+  if (m > 0) at::vec::transpose_mxn<E>(src, ld_src, dst, ld_dst, m, n);
+  for (int j = 0; j < n; ++j) std::fill(dst + j * ld_dst + m, dst + j * ld_dst + m_pad, E(0));
+}
+
+// [rows, cols] (ld_src) -> [cols, rows_pad] (ld_dst), columns from rows to rows_pad zero, in blocks of 64-byte
+// rows. fetch: src is a tensor's rows of one head (see kFetchRows).
+template <typename E>
+void transpose(const E* src, int64_t rows, int64_t cols, int64_t ld_src, E* dst, int64_t ld_dst, int64_t rows_pad,
+               bool fetch = false) {
   constexpr int64_t kB = std::is_same_v<E, float> ? 16 : 32;
-  for (int64_t r = 0; r < rows; r += kB) {
+  for (int64_t r = 0; r < rows_pad; r += kB) {
+    const int m = (int)std::clamp<int64_t>(rows - r, 0, kB), m_pad = (int)std::min(kB, rows_pad - r);
     for (int64_t c = 0; c < cols; c += kB) {
       for (int64_t i = r + kB; fetch && i < std::min(rows, r + 2 * kB); ++i) __builtin_prefetch(src + i * ld_src + c);
-      at::vec::transpose_mxn<E>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, (int)std::min(kB, rows - r),
-                                (int)std::min(kB, cols - c));
+      transpose_block(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, m, m_pad,
+                      (int)std::min(kB, cols - c));
     }
   }
 }
@@ -154,16 +177,15 @@ void load_tile_t(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t 
                  U* dst, U* scratch) {
   if constexpr (std::is_same_v<T, U>) {
     if (x.s2 == 1 && x.s0 >= width) {
-      transpose(x.at(t0, h), n, width, x.s0, dst, npad, true);
+      transpose(x.at(t0, h), n, width, x.s0, dst, npad, npad, true);
     } else {
       load_tile(x, t0, n, n, h, width, width, scratch);
-      transpose(scratch, n, width, width, dst, npad);
+      transpose(scratch, n, width, width, dst, npad, npad);
     }
   } else {
     load_tile(x, t0, n, n, h, width, width, scratch);
-    transpose(scratch, n, width, width, dst, npad);
+    transpose(scratch, n, width, width, dst, npad, npad);
   }
-  for (int64_t c = 0; c < width; ++c) std::fill(dst + c * npad + n, dst + (c + 1) * npad, U(0));
   std::fill(dst + width * npad, dst + width_pad * npad, U(0));
 }
 
