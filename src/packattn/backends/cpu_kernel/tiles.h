@@ -134,24 +134,15 @@ void load_tile(const Rows<T>& x, int64_t t0, int64_t n, int64_t npad, int64_t h,
 }
 
 // src [m, n] (ld_src) -> dst [n, m_pad] (ld_dst), rows m to m_pad of dst zero; m <= m_pad and n at most
-// one block (16 fp32, 32 bf16).
+// one block (16 fp32, 32 bf16). fp32 on vec_math.h's transpose16.
 template <typename E>
 void transpose_block(const E* src, int64_t ld_src, E* dst, int64_t ld_dst, int m, int m_pad, int n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<E, float>) return transpose16(src, ld_src, dst, ld_dst, m, m_pad, n);
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<E, float>) {  // four blocks of 8 x 8
-    for (int i = 0; i < m_pad; i += 8) {
-      for (int j = 0; j < n; j += 8) {
-        transpose8(src + i * ld_src + j, ld_src, dst + j * ld_dst + i, ld_dst, std::clamp(m - i, 0, 8),
-                   std::min(m_pad - i, 8), std::min(n - j, 8));
-      }
-    }
-    return;
+  if constexpr (std::is_same_v<E, float>) {
+    transpose16(src, ld_src, dst, ld_dst, m, m_pad, n);
+  } else {
+    if (m > 0) at::vec::transpose_mxn<E>(src, ld_src, dst, ld_dst, m, n);
+    for (int j = 0; j < n; ++j) std::fill(dst + j * ld_dst + m, dst + j * ld_dst + m_pad, E(0));
   }
-#endif
-  if (m > 0) at::vec::transpose_mxn<E>(src, ld_src, dst, ld_dst, m, n);
-  for (int j = 0; j < n; ++j) std::fill(dst + j * ld_dst + m, dst + j * ld_dst + m_pad, E(0));
 }
 
 // [rows, cols] (ld_src) -> [cols, rows_pad] (ld_dst), columns from rows to rows_pad zero, in blocks of 64-byte

@@ -95,8 +95,7 @@ inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld
 inline Vec exp_softmax(Vec x) { return x.exp_u20(); }
 
 #if defined(CPU_CAPABILITY_AVX2)
-// transpose16's contract for m <= m_pad <= 8, n <= 8 on 256-bit vectors. ATen's transpose_mxn<float> with
-// sizes known only at run time is a scalar loop in this build.
+// transpose16's contract for m <= m_pad <= 8, n <= 8 on 256-bit vectors.
 inline void transpose8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int m, int m_pad, int n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i cols = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
@@ -118,6 +117,26 @@ inline void transpose8(const float* src, int64_t ld_src, float* dst, int64_t ld_
     if (4 + k < n) _mm256_maskstore_ps(dst + (4 + k) * ld_dst, rows, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
   }
 }
+
+// transpose16 as four blocks of 8 x 8. ATen's transpose_mxn<float> with sizes known only at run time is a
+// scalar loop in this build.
+inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int m, int m_pad, int n) {
+  for (int i = 0; i < m_pad; i += 8) {
+    for (int j = 0; j < n; j += 8) {
+      transpose8(src + i * ld_src + j, ld_src, dst + j * ld_dst + i, ld_dst, std::clamp(m - i, 0, 8),
+                 std::min(m_pad - i, 8), std::min(n - j, 8));
+    }
+  }
+}
+
+#else
+
+// transpose16 on ATen's portable transpose, then the zero rows.
+inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int m, int m_pad, int n) {
+  if (m > 0) at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, m, n);
+  for (int j = 0; j < n; ++j) std::fill(dst + j * ld_dst + m, dst + j * ld_dst + m_pad, 0.f);
+}
+
 #endif
 
 inline void store_pair(at::BFloat16* dst, Vec a, Vec b, int64_t cnt) {
