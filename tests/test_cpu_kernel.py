@@ -464,22 +464,49 @@ def test_cli_build_reports_the_cached_kernel(capsys):
     assert out.startswith("cpu_kernel: ready in ") and str(build.build_dir()) in out
 
 
-@pytest.mark.skipif(build.capability() != "AVX512", reason="the AVX2 build is this CPU's own build here")
-def test_the_avx2_build_passes_the_kernel_tests():
-    """What a CPU without AVX-512 compiles and runs (no dot-product kernel, the AVX2 exp and conversions),
-    reached here by lowering ATen's capability: this file's forward, decode and thread-count tests on it."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    probe = _python("from packattn.backends.cpu_kernel import build; print(build.capability())", env)
-    assert probe.stdout.strip() == "AVX2", probe.stderr
-    tests = "across_items_and_tiles or decode or same_bits"
+def _tests_pass_on_another_build(env: dict[str, str], files: list[str], select: str) -> str:
+    """Runs the tests of ``files`` that ``select`` picks in a new process with ``env``, which makes another build
+    of the kernel; asserts that they ran and passed, and returns pytest's report."""
+    full = {k: v for k, v in os.environ.items() if k not in (build.EMULATE_ENV, cpu_kernel.BF16_PRODUCTS_ENV)}
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *files, "-k", select],
         capture_output=True,
         text=True,
         timeout=900,
-        env=env,
+        env={**full, **env},
         check=False,
         cwd=Path(__file__).parents[1],
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout
+    return res.stdout
+
+
+@pytest.mark.skipif(build.capability() != "AVX512", reason="the AVX2 build is this CPU's own build here")
+def test_the_avx2_build_passes_the_kernel_tests():
+    """What a CPU without AVX-512 compiles and runs (no dot-product kernel, the AVX2 exp and conversions),
+    reached here by lowering ATen's capability: this file's forward, decode and thread-count tests on it."""
+    env = {"ATEN_CPU_CAPABILITY": "avx2"}
+    probe = _python("from packattn.backends.cpu_kernel import build; print(build.capability())", env)
+    assert probe.stdout.strip() == "AVX2", probe.stderr
+    _tests_pass_on_another_build(env, [__file__], "across_items_and_tiles or decode or same_bits")
+
+
+@pytest.mark.parametrize("value", ["avx512_fp16", "AVX512_BF16", "amx"])
+def test_an_unknown_emulation_names_the_variable(value, monkeypatch):
+    monkeypatch.setenv(build.EMULATE_ENV, value)
+    with pytest.raises(RuntimeError, match=f"PACKATTN_KERNEL_EMULATE: expected one of .*avx512_bf16.* got '{value}'"):
+        build.build_dir()
+
+
+@pytest.mark.skipif(build.capability() != "AVX512", reason="the dot-product kernel is in the AVX512 build only")
+def test_the_bf16_dot_product_kernel_passes_on_an_emulated_avx512_bf16():
+    """The AVX512_BF16 dot-product loop (the bf16 default on AMD CPUs) on a CPU without the instruction: a build
+    that does vdpbf16ps in AVX-512F instructions runs this file's bf16, decode and thread-count tests and the
+    fuzz, with that loop as the bf16 default."""
+    if "avx512_bf16" in build.load().bf16_products():
+        pytest.skip("this CPU runs vdpbf16ps itself: the tests above ran the real instruction")
+    files = [__file__, str(Path(__file__).with_name("test_fuzz.py"))]
+    select = "fuzz or edges or bf16 or low_precision or decode or same_bits"
+    report = _tests_pass_on_another_build({build.EMULATE_ENV: "avx512_bf16"}, files, select)
+    assert "avx512_bf16 do not run here" not in report, report[-3000:]

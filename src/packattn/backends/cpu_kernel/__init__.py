@@ -98,7 +98,8 @@ class CpuKernel(Backend):
 
     def details(self) -> str | None:
         default, *others = build.load().bf16_products()
-        return f"built for {build.capability()}; bf16 products: " + ", ".join([f"{default} (default)", *others])
+        built = build.capability() + (f" ({build.emulated()} emulated)" if build.emulated() else "")
+        return f"built for {built}; bf16 products: " + ", ".join([f"{default} (default)", *others])
 
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward(inp)

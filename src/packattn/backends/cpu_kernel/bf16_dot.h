@@ -37,7 +37,36 @@ inline void vnni_pack(const at::BFloat16* b, int64_t k, int64_t n, int64_t ld, a
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) && defined(PACKATTN_EMULATE_AVX512_BF16)
+
+// A build of its own (build.py, PACKATTN_KERNEL_EMULATE=avx512_bf16) for CPUs without the instruction: this
+// path's tests run here with vdpbf16ps done in AVX-512F instructions, and it is the default, as on AMD.
+#define PACKATTN_DOT_TARGET "avx512f"
+inline bool dot_kernel_runs() { return true; }
+inline bool dot_beats_fma() { return true; }
+
+// Denormals as zero (sign kept), as vdpbf16ps takes its inputs and flushes its results.
+inline __m512 flush_denormals(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __mmask16 normal = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x7f800000));
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(int(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(sign, normal, bits));
+}
+
+// Per fp32 lane: acc += a.odd * b.odd, then acc += a.even * b.even (the bf16 halves), each rounded to nearest:
+// the order the instruction is specified in. A product of two bf16 values is exact in fp32, so one FMA is
+// the rounded addition.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  const auto odd = [&](__m512i x) { return flush_denormals(_mm512_castsi512_ps(_mm512_and_si512(x, high))); };
+  const auto even = [&](__m512i x) { return flush_denormals(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))); };
+  acc = flush_denormals(_mm512_fmadd_ps(odd(a), odd(b), acc));
+  return flush_denormals(_mm512_fmadd_ps(even(a), even(b), acc));
+}
+
+#elif defined(CPU_CAPABILITY_AVX512)
+
+#define PACKATTN_DOT_TARGET "avx512f,avx512bf16"
 
 // Whether this CPU has the instruction (and AVX-512 state enabled: the capability ATen detected).
 inline bool dot_kernel_runs() { return __builtin_cpu_supports("avx512bf16"); }
@@ -52,23 +81,31 @@ inline bool dot_beats_fma() {
   return ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
 }
 
+__attribute__((target(PACKATTN_DOT_TARGET))) inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+
 // c[R, 16 C] (+)= a[R, k] b for one packed block of nc = 16 C columns: R x C accumulators in registers, each
 // pair of k a load of every B vector and a broadcast of every row's pair.
 template <int R, int C>
-__attribute__((target("avx512f,avx512bf16"))) void dot_block(int64_t k, const at::BFloat16* a, int64_t lda,
-                                                             const at::BFloat16* b, float* c, int64_t ldc, bool add) {
+__attribute__((target(PACKATTN_DOT_TARGET))) void dot_block(int64_t k, const at::BFloat16* a, int64_t lda,
+                                                            const at::BFloat16* b, float* c, int64_t ldc, bool add) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < C; ++j) acc[r][j] = add ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < k; p += 2) {
-    __m512bh bv[C];
-    for (int j = 0; j < C; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + p * 16 * C + 32 * j);
+    __m512i bv[C];
+    for (int j = 0; j < C; ++j) bv[j] = _mm512_loadu_si512(b + p * 16 * C + 32 * j);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, a + r * lda + p, sizeof(pair));
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < C; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+      const __m512i av = _mm512_set1_epi32(pair);
+      for (int j = 0; j < C; ++j) acc[r][j] = dot_pairs(acc[r][j], av, bv[j]);
     }
   }
   for (int r = 0; r < R; ++r) {

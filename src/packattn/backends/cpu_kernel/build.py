@@ -3,8 +3,9 @@ use with ``torch.utils.cpp_extension.load`` and cache the result.
 
 The cache holds one build per torch version, CPU capability (ATen's, e.g. ``AVX512``, ``AVX2``; the
 ``ATEN_CPU_CAPABILITY`` variable lowers it) and source: ``$PACKATTN_CACHE_DIR``, else
-``$XDG_CACHE_HOME/packattn`` or ``~/.cache/packattn``. The vectorized parts are compiled for that capability
-(ATen's ``Vectorized``); the matrix products call ATen's own GEMMs, which pick their instructions at run time.
+``$XDG_CACHE_HOME/packattn`` or ``~/.cache/packattn``; the test builds (:func:`sanitizers`, :func:`emulated`)
+have their own. The vectorized parts are compiled for that capability (ATen's ``Vectorized``); the matrix
+products call ATen's own GEMMs, which pick their instructions at run time.
 No isolated build and no downloads: the system C++ compiler, ninja and the installed torch headers.
 """
 
@@ -51,6 +52,23 @@ def sanitizers() -> str:
     return os.environ.get("PACKATTN_KERNEL_SANITIZE", "").strip()
 
 
+EMULATE_ENV = "PACKATTN_KERNEL_EMULATE"
+_EMULATED = {"avx512_bf16": "-DPACKATTN_EMULATE_AVX512_BF16"}
+
+
+def emulated() -> str:
+    """``$PACKATTN_KERNEL_EMULATE``: ``avx512_bf16`` builds the kernel, in a build of its own, with the bf16
+    dot-product loop's instruction (vdpbf16ps) done in AVX-512F instructions, the same rounding and flushed
+    denormals, and that loop as the bf16 default: how a CPU without AVX512_BF16 runs that path's tests.
+    Empty for the normal build."""
+    name = os.environ.get(EMULATE_ENV, "").strip()
+    if name and name not in _EMULATED:
+        raise RuntimeError(f"{EMULATE_ENV}: expected one of {list(_EMULATED)} or nothing, got {name!r}")
+    if name and capability() != "AVX512":
+        raise RuntimeError(f"{EMULATE_ENV}={name} needs the AVX512 build, but this one is {capability()}")
+    return name
+
+
 def build_dir() -> Path:
     sha = hashlib.sha256()
     for path in SOURCES + HEADERS:  # names and contents: code moved between files is a new build too
@@ -58,7 +76,8 @@ def build_dir() -> Path:
         sha.update(f"{path.name}\0{len(data)}\0".encode() + data)
     digest = sha.hexdigest()[:12]
     san = f"-sanitize-{sanitizers().replace(',', '-')}" if sanitizers() else ""
-    return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}{san}"
+    emu = f"-emulate-{emulated()}" if emulated() else ""
+    return cache_dir() / f"cpu_kernel-torch{torch.__version__}-{capability()}-{digest}{san}{emu}"
 
 
 def _module_name() -> str:
@@ -135,6 +154,8 @@ def _build(verbose: bool) -> ModuleType:
     if sanitizers():
         flags = ["-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={sanitizers()}", *flags[2:]]
         ldflags = [f"-fsanitize={sanitizers()}"]
+    if emulated():
+        flags.append(_EMULATED[emulated()])
     if torch.backends.openmp.is_available():
         # at::parallel_for is a header template over `#pragma omp parallel`: without -fopenmp it runs on one
         # thread. The OpenMP calls resolve to the runtime torch already loaded (libtorch_cpu links it).
