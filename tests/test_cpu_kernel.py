@@ -240,6 +240,16 @@ def test_decode_across_key_chunks(mask, heads, dtype):
     check_forward("cpu_kernel", case, **({"window_size": (1500, 0)} if mask == "wide_window" else MASKS[mask]))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_reads_keys_of_any_strides(dtype):
+    """Decoded rows take their scores from K's rows where they lie (fp32 with unit last stride) or widened
+    ones: every layout, one token's row for every key (stride 0), and a head dim with a partial vector."""
+    case = make_case(*DECODE, hq=8, hkv=2, d=40, dv=24, dtype=DTYPES[dtype], seed=34)
+    one_row = Case(case.q, case.k[:1].expand_as(case.k), case.v, case.cu_q, case.cu_k)
+    for strided in (*(restride(case, s) for s in ("heads_major", "last_dim_stride_2", "kv_broadcast")), one_row):
+        check_forward("cpu_kernel", strided, causal=True)
+
+
 def test_decode_with_every_bf16_products(bf16_products):
     case = make_case(*DECODE, hq=8, hkv=2, d=72, dv=136, dtype=torch.bfloat16, seed=32)
     check_forward("cpu_kernel", case, causal=True)

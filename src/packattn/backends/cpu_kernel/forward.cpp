@@ -94,6 +94,8 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
   const int64_t bq = i1 - i0, rows = sh.g * bq, mp = a_rows<E>(a.how, rows), d = sh.d, dv = sh.dv;
   const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv), heads = h1 - h0;
   const bool cached = heads == 1;  // one head's tiles serve its next items; a tile of all heads is used once
+  // A decoded item's few rows take their scores as dot products with K's rows (row_dots), fp32 tiles only
+  const bool dots = std::is_same_v<E, float> && sh.g * s.lq <= kWholeHeadsRows;
   // fp32 queries with one query head per KV head: Q K^T reads the item's rows in place (a row stride
   // apart), no copy
   bool q_in_place = false;
@@ -117,12 +119,18 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
     E* p = std::is_same_v<E, float> ? reinterpret_cast<E*>(w.s) : w.p;  // P in place, or as bf16 beside it
     for (int64_t h = 0; h < heads; ++h) {
       float *m = w.m + h * kHeadRows, *l = w.l + h * kHeadRows, *acc = w.acc + h * kHeadRows * ldo;
-      const auto keys_t = [&](E* slot) {
-        prepare_keys(a.k, s.k0 + j0, bk, h0 + h, d, dp, true, slot, w.tmp, w.scratch);
-      };
-      const E* kt = cached ? w.kt.get(b, h0, tile, keys_t) : w.kt.once(keys_t);
       const E* qa = q_in_place ? reinterpret_cast<const E*>(a.q.at(s.q0 + i0, h0 + h)) : w.q + h * kHeadRows * dp;
-      mm(a.how, mp, n, dp, qa, q_in_place ? a.q.s0 : dp, b_operand(kt, dp, pad16(bk)), w.s, n, false);
+      const int64_t ldq = q_in_place ? a.q.s0 : dp;
+      if constexpr (std::is_same_v<E, float>) {
+        if (dots) row_dots(a.k, s.k0 + j0, std::min(n, bk), h0 + h, d, qa, ldq, rows, w.s, n, w.scratch);
+      }
+      if (!dots) {
+        const auto keys_t = [&](E* slot) {
+          prepare_keys(a.k, s.k0 + j0, bk, h0 + h, d, dp, true, slot, w.tmp, w.scratch);
+        };
+        const E* kt = cached ? w.kt.get(b, h0, tile, keys_t) : w.kt.once(keys_t);
+        mm(a.how, mp, n, dp, qa, ldq, b_operand(kt, dp, pad16(bk)), w.s, n, false);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         auto [cs, ce] = visible_cols(mask, s, i0 + r % bq, j0, bk, full);
         w.top[r] = ce > cs ? row_max(w.s + r * n + cs, ce - cs) : kNegInf;

@@ -90,6 +90,24 @@ inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld
   }
 }
 
+// Lane i of the result: the sum of the lanes of v[i] (i < 16), in rounds of shuffles that halve the vectors.
+inline Vec sum_each(const Vec* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: v[2i]'s pair sums in lanes 0 and 2, v[2i + 1]'s in 1 and 3
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block: the block's sum of v[4i + j] in lane j
+    x[i] =
+        _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  }
+  const auto halves = [](__m512 a, __m512 b) {  // blocks: a's 0 + 2, a's 1 + 3, b's 0 + 2, b's 1 + 3
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  };
+  const __m512 y0 = halves(x[0], x[1]), y1 = halves(x[2], x[3]);
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
 #else
 
 inline Vec exp_softmax(Vec x) { return x.exp_u20(); }
@@ -118,6 +136,20 @@ inline void transpose8(const float* src, int64_t ld_src, float* dst, int64_t ld_
   }
 }
 
+// sum_each's contract for 8 lanes.
+inline Vec sum_each(const Vec* v) {
+  __m256 w[4], x[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = v[2 * i], b = v[2 * i + 1];
+    w[i] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 2; ++i) {
+    x[i] =
+        _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
+
 // transpose16 as four blocks of 8 x 8. ATen's transpose_mxn<float> with sizes known only at run time is a
 // scalar loop in this build.
 inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int m, int m_pad, int n) {
@@ -130,6 +162,12 @@ inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld
 }
 
 #else
+
+inline Vec sum_each(const Vec* v) {
+  float out[kVec];
+  for (int i = 0; i < kVec; ++i) out[i] = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v[i]);
+  return Vec::loadu(out);
+}
 
 // transpose16 on ATen's portable transpose, then the zero rows.
 inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int m, int m_pad, int n) {
