@@ -515,7 +515,7 @@ def test_the_bf16_dot_product_kernel_passes_on_an_emulated_avx512_bf16():
     that does vdpbf16ps in AVX-512F instructions runs this file's bf16, decode and thread-count tests and the
     fuzz, with that loop as the bf16 default."""
     if "avx512_bf16" in build.load().bf16_products():
-        pytest.skip("this CPU runs vdpbf16ps itself: the tests above ran the real instruction")
+        pytest.skip("the dot-product loop already runs in this process's tests (the CPU has it, or it is emulated)")
     files = [__file__, str(Path(__file__).with_name("test_fuzz.py"))]
     select = "fuzz or edges or bf16 or low_precision or decode or same_bits"
     report = _tests_pass_on_another_build({build.EMULATE_ENV: "avx512_bf16"}, files, select)

@@ -5,7 +5,8 @@ balanced between threads by visible (query, key) pairs; the G query heads of a K
 which is transposed and packed once per head; tiles that the mask hides are skipped; the softmax is online
 (no ``(L, L)`` scores) in fp32. Decoded sequences (query rows x query heads per KV head <= 16) run as items
 of all KV heads over chunks of 1024 keys, so that K/V rows are read whole and a long sequence's keys are
-split between threads; the chunks are merged in a fixed order. The backward recomputes the probabilities
+split between threads, and (on fp32 tiles) their few rows' scores are dot products with K's rows where
+they lie; the chunks are merged in a fixed order. The backward recomputes the probabilities
 from the LSE (flash-attention 2), in one pass per (sequence, KV head) when there are at least 4 of them per
 thread, else in two passes (dK/dV per key block, dQ per query block) that split a sequence between threads;
 either way every gradient element has one writer: the same bits at any thread count.
