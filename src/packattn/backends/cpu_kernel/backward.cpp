@@ -87,14 +87,23 @@ std::tuple<BOperand, BOperand, BOperand> key_side(BwdWork<E>& w, const BwdArgs<T
   return {b_operand(kt, dp, kp), b_operand(vt, dvp, kp), kr};
 }
 
-// Query rows [i0, i0 + bq) (x G heads) against keys [j0, j0 + bk): leaves P in w.s and dS (the gradient of
-// the raw scores q.k) in w.ds, both [pad16(rows), pad16(bk)] with zeros wherever a pair is hidden or padding.
-template <typename E>
-void grad_tile(BwdWork<E>& w, const Seq& s, const Mask& mask, const Shape& sh, int64_t i0, int64_t bq, int64_t j0,
+// Query rows [i0, i0 + bq) (x G heads) of KV head h against keys [j0, j0 + bk): leaves P in w.s and dS (the
+// gradient of the raw scores q.k) in w.ds, both [pad16(rows), pad16(bk)] with zeros wherever a pair is hidden
+// or padding. The scores are the forward's, bit for bit: the same product (kernel.h).
+template <typename E, typename T>
+void grad_tile(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t h, int64_t i0, int64_t bq, int64_t j0,
                int64_t bk, const QuerySide<E>& qs, BOperand kt, BOperand vt) {
+  const Mask& mask = a.mask;
+  const Shape& sh = a.sh;
   const int64_t rows = sh.g * bq, mp = pad16(rows), kp = pad16(bk);
   const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
-  mm(w.how, mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
+  if constexpr (std::is_same_v<E, float>) {
+    if (scores_by_row_dots<E>(sh, s)) {
+      row_dots(a.k, s.k0 + j0, bk, h, sh.d, qs.q, dp, rows, w.s, kp, w.scratch);
+      std::fill(w.s + rows * kp, w.s + mp * kp, 0.f);  // the padding rows, which the products below read
+    }
+  }
+  if (!scores_by_row_dots<E>(sh, s)) mm(w.how, mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
   mm(w.how, mp, kp, dvp, qs.dout, dvp, vt, w.ds, kp, false);
   const bool full = tile_fully_visible(mask, s, i0, i0 + bq, j0, j0 + bk);
   const Scores score(mask);
@@ -141,7 +150,7 @@ void key_tile_grads(BwdWork<E>& w, const BwdArgs<T>& a, int64_t b, int64_t h, in
   for (int64_t block = a.mask.first_row(s, j0) / a.block_q; block * a.block_q < last; ++block) {
     const int64_t i0 = block * a.block_q, bq = std::min(s.lq, i0 + a.block_q) - i0, mp = pad16(sh.g * bq);
     const QuerySide<E> qs = query_side(w, a, s, b, block, h);
-    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
+    grad_tile(w, a, s, h, i0, bq, j0, bk, qs, kt, vt);
     transpose(as_tile(w.s, mp * kp, w.half), mp, kp, kp, w.st, mp, mp);  // P^T
     mm(w.how, kp, dvp, mp, w.st, mp, qs.dout_b, dv, dvp, true);
     const E* ds = as_tile(w.ds, mp * kp, w.half);
@@ -195,7 +204,7 @@ void dq_item(const Item& it, BwdWork<E>& w, const BwdArgs<T>& a) {
   for (int64_t tile = lo / kKeyTile; tile * kKeyTile < hi; ++tile) {
     const int64_t j0 = tile * kKeyTile, bk = std::min(s.lk, j0 + kKeyTile) - j0, kp = pad16(bk);
     const auto [kt, vt, kr] = key_side(w, a, s, it.b, tile, it.h, true);
-    grad_tile(w, s, a.mask, sh, i0, bq, j0, bk, qs, kt, vt);
+    grad_tile(w, a, s, it.h, i0, bq, j0, bk, qs, kt, vt);
     mm(w.how, mp, dp, kp, as_tile(w.ds, mp * kp, w.half), kp, kr, dq, dp, true);
   }
   store_dq<E>(a, s, it.h, i0, bq, dq);

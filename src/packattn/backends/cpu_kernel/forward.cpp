@@ -8,10 +8,9 @@ namespace {
 using namespace detail;
 
 constexpr int64_t kFwdRows = 256;  // target G x block_q rows of one forward item
-// Query rows x query heads per KV head up to which a sequence is decoded: its items take all KV heads at
-// once (a few rows per head against long keys: reading K/V is the work), split by key chunks so that a long
-// sequence's keys are shared between threads.
-constexpr int64_t kWholeHeadsRows = 16;
+// A decoded sequence's items (kernel.h's kWholeHeadsRows) take all KV heads at once (a few rows per head
+// against long keys: reading K/V is the work), split by key chunks so that a long sequence's keys are shared
+// between threads.
 constexpr int64_t kChunkKeys = 4 * kKeyTile;
 constexpr int64_t kHeadRows = (kWholeHeadsRows + 15) / 16 * 16;  // between KV heads in an all-heads item
 
@@ -94,8 +93,7 @@ void attend(int64_t b, int64_t i0, int64_t i1, int64_t h0, int64_t h1, int64_t c
   const int64_t bq = i1 - i0, rows = sh.g * bq, mp = a_rows<E>(a.how, rows), d = sh.d, dv = sh.dv;
   const int64_t dp = tile_width<E>(d), ldo = tile_width<E>(dv), heads = h1 - h0;
   const bool cached = heads == 1;  // one head's tiles serve its next items; a tile of all heads is used once
-  // A decoded item's few rows take their scores as dot products with K's rows (row_dots), fp32 tiles only
-  const bool dots = std::is_same_v<E, float> && sh.g * s.lq <= kWholeHeadsRows;
+  const bool dots = scores_by_row_dots<E>(sh, s);
   // fp32 queries with one query head per KV head: Q K^T reads the item's rows in place (a row stride
   // apart), no copy
   bool q_in_place = false;

@@ -7,7 +7,8 @@
 // their count of visible (query, key) pairs, so many short sequences and one long causal sequence both keep
 // every thread busy; a thread's items come in (sequence, head) order, and the tiles it prepares (K^T, V,
 // converted and packed) are kept for the next items of the same head (TileCache). A decoded sequence (G x
-// query rows <= 16) is cut by chunks of keys instead, each item taking all KV heads (the forward only). Within an item,
+// query rows <= 16) is cut by chunks of keys instead, each item taking all KV heads (the forward only), and its
+// scores on fp32 tiles are dot products with K's rows (row_dots). Within an item,
 // tiles of keys that the mask hides entirely are never visited; scores live in one (rows x keys) tile per thread.
 // Products run on ATen's batch-reduce GEMM, fp32 tiles or bf16 tiles packed to VNNI on CPUs with matrix units
 // (AMX); without AMX, bf16 tiles run on an own kernel of AVX512_BF16 dot products where that beats fp32, and
@@ -53,6 +54,16 @@ namespace detail {
 // (a one-hot row's probability is exactly 1 however large its scores). Another partition may round a score
 // differently, and at |score| ~ 1e6 one ulp is a factor of about 1.06 in the probability.
 constexpr int64_t kKeyTile = 256;
+
+// Query rows x query heads per KV head up to which a sequence is decoded: its forward items take all KV heads
+// over chunks of keys. On fp32 tiles its scores are row_dots rather than a product with a transposed K tile,
+// in the forward and the backward alike, for the reason above.
+constexpr int64_t kWholeHeadsRows = 16;
+
+template <typename E>
+bool scores_by_row_dots(const Shape& sh, const Seq& s) {
+  return std::is_same_v<E, float> && sh.g * s.lq <= kWholeHeadsRows;
+}
 
 constexpr const char* kBf16ProductNames[] = {"fp32", "avx512_bf16", "amx"};  // by Bf16Products
 
