@@ -7,8 +7,8 @@
 // their count of visible (query, key) pairs, so many short sequences and one long causal sequence both keep
 // every thread busy; a thread's items come in (sequence, head) order, and the tiles it prepares (K^T, V,
 // converted and packed) are kept for the next items of the same head (TileCache). A decoded sequence (G x
-// query rows <= 16) is cut by chunks of keys instead, each item taking all KV heads (the forward only), and its
-// scores on fp32 tiles are dot products with K's rows (row_dots). Within an item,
+// query rows <= 16) is cut by chunks of keys instead, each item taking all KV heads (the forward only); on fp32
+// tiles its scores are dot products with K's rows (row_dots), forward and backward. Within an item,
 // tiles of keys that the mask hides entirely are never visited; scores live in one (rows x keys) tile per thread.
 // Products run on ATen's batch-reduce GEMM, fp32 tiles or bf16 tiles packed to VNNI on CPUs with matrix units
 // (AMX); without AMX, bf16 tiles run on an own kernel of AVX512_BF16 dot products where that beats fp32, and

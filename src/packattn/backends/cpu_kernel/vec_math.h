@@ -1,8 +1,8 @@
 // Vector math on fp32 lanes: everything that depends on the CPU capability is behind two switches, one for
-// the softmax's exp, bf16 stores and fp32 transposes (raw AVX-512, and AVX2 for the transposes; ATen's
-// portable versions for every other capability), one for the streamed stores (the widest non-temporal store
-// the build's ISA has; a plain copy off x86). The rest is written on ATen's Vectorized<float> and compiles
-// for any capability.
+// the softmax's exp, bf16 stores, fp32 transposes and lane sums (raw AVX-512, and AVX2 for the transposes
+// and the sums; ATen's portable versions for every other capability), one for the streamed stores (the
+// widest non-temporal store the build's ISA has; a plain copy off x86). The rest is written on ATen's
+// Vectorized<float> and compiles for any capability.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
