@@ -71,7 +71,7 @@ QuerySide<E> query_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_
   return {q, dout, b_operand(q_packed, mp, dp), b_operand(dout_packed, mp, dvp)};
 }
 
-// K^T, V^T and (with rows) K of key tile `tile` as B operands.
+// K^T, V^T and (with rows) K of key tile `tile` as B operands; no K^T where the scores are row_dots.
 template <typename E, typename T>
 std::tuple<BOperand, BOperand, BOperand> key_side(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t b,
                                                   int64_t tile, int64_t h, bool rows) {
@@ -81,10 +81,11 @@ std::tuple<BOperand, BOperand, BOperand> key_side(BwdWork<E>& w, const BwdArgs<T
     return cache.get(b, h, tile,
                      [&](E* p) { prepare_keys(x, s.k0 + j0, bk, h, width, width_pad, t, p, w.tmp, w.scratch); });
   };
-  const E* kt = prepared(w.kt, a.k, d, dp, true);
+  const BOperand kt =
+      scores_by_row_dots<E>(a.sh, s) ? BOperand{nullptr, 0} : b_operand(prepared(w.kt, a.k, d, dp, true), dp, kp);
   const E* vt = prepared(w.vt, a.v, dv, dvp, true);
   const BOperand kr = rows ? b_operand(prepared(w.k, a.k, d, dp, false), kp, dp) : BOperand{nullptr, 0};
-  return {b_operand(kt, dp, kp), b_operand(vt, dvp, kp), kr};
+  return {kt, b_operand(vt, dvp, kp), kr};
 }
 
 // Query rows [i0, i0 + bq) (x G heads) of KV head h against keys [j0, j0 + bk): leaves P in w.s and dS (the
@@ -97,13 +98,14 @@ void grad_tile(BwdWork<E>& w, const BwdArgs<T>& a, const Seq& s, int64_t h, int6
   const Shape& sh = a.sh;
   const int64_t rows = sh.g * bq, mp = pad16(rows), kp = pad16(bk);
   const int64_t dp = tile_width<E>(sh.d), dvp = tile_width<E>(sh.dv);
+  const bool dots = scores_by_row_dots<E>(sh, s);
   if constexpr (std::is_same_v<E, float>) {
-    if (scores_by_row_dots<E>(sh, s)) {
+    if (dots) {
       row_dots(a.k, s.k0 + j0, bk, h, sh.d, qs.q, dp, rows, w.s, kp, w.scratch);
       std::fill(w.s + rows * kp, w.s + mp * kp, 0.f);  // the padding rows, which the products below read
     }
   }
-  if (!scores_by_row_dots<E>(sh, s)) mm(w.how, mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
+  if (!dots) mm(w.how, mp, kp, dp, qs.q, dp, kt, w.s, kp, false);
   mm(w.how, mp, kp, dvp, qs.dout, dvp, vt, w.ds, kp, false);
   const bool full = tile_fully_visible(mask, s, i0, i0 + bq, j0, j0 + bk);
   const Scores score(mask);
