@@ -206,6 +206,116 @@ def test_streamed_outputs_match_the_oracle_and_give_the_same_bits(dtype):
     _assert_same_bits_at_any_thread_count(case, MASKS["causal"], threads=(1, 16, 2))
 
 
+# Outputs of 32 MiB or more come from blocks that the kernel keeps when their tensors are freed (outputs.h).
+# Sequences of every kind (no keys, no queries, decoded, one tile, several) repeated until out, dQ, dK and dV
+# each pass 32 MiB: 8 heads of 64 dims in fp32, 16 in bf16 and fp16.
+KEPT = ([0, 1, 5, 16, 33, 300] * 60, [7, 0, 40, 16, 33, 290] * 60)
+
+
+def _kernel_call(q, k, v, cu_q, cu_k) -> list[torch.Tensor]:
+    module = build.load()
+    out, lse = module.forward(q, k, v, cu_q, cu_k, 0.125, 0.0, -1, 0, True, "")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    delta = module.delta(out, dout)
+    return [out, lse, *module.backward(q, k, v, dout, lse, delta, cu_q, cu_k, 0.125, 0.0, -1, 0, "")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outputs_in_kept_memory_are_written_whole(dtype, monkeypatch):
+    """Outputs that land on freed blocks, poisoned with NaN, are the same bits as in fresh memory (zeroed by
+    the system): every element is written, including the zeros of rows that see no key and of keys that no
+    query sees."""
+    heads = 8 if dtype == "fp32" else 16
+    case = make_case(*KEPT, hq=heads, hkv=heads, d=64, dtype=DTYPES[dtype], seed=37)
+    args = (case.q, case.k, case.v, *(t.long() for t in case.tensors()))
+    module = build.load()
+    module.release_output_cache()
+    monkeypatch.setenv("PACKATTN_CPU_OUTPUT_CACHE_MIB", "0")
+    fresh = _kernel_call(*args)
+    monkeypatch.setenv("PACKATTN_CPU_OUTPUT_CACHE_MIB", "1024")
+    first = _kernel_call(*args)
+    big = [0, 2, 3, 4]  # out, dq, dk, dv; the LSE is smaller
+    assert all(first[i].nbytes >= 32 * 2**20 for i in big)
+    blocks = {first[i].data_ptr() for i in big}
+    for t in first:
+        t.fill_(float("nan"))
+    del first, t
+    assert module.kept_output_bytes() >= 4 * 32 * 2**20
+    again = _kernel_call(*args)
+    assert {again[i].data_ptr() for i in big} == blocks
+    assert module.kept_output_bytes() == 0
+    for a, b in zip(again, fresh, strict=True):
+        assert torch.equal(a, b)
+    del again, fresh, a, b
+    module.release_output_cache()
+
+
+def _out_of(mib: float) -> torch.Tensor:
+    """A forward output of about ``mib`` MiB (fp32, 8 heads of 64 dims, sequences of 16 tokens)."""
+    tokens = int(mib * 2**20) // (8 * 64 * 4) // 16 * 16
+    q = torch.randn(tokens, 8, 64)
+    cu = torch.arange(0, tokens + 1, 16)
+    return build.load().forward(q, q, q, cu, cu, 0.125, 0.0, -1, -1, False, "")[0]
+
+
+def test_kept_outputs_stay_within_the_limit(monkeypatch):
+    module = build.load()
+    module.release_output_cache()
+    monkeypatch.setenv("PACKATTN_CPU_OUTPUT_CACHE_MIB", "0")
+    _out_of(40)
+    assert module.kept_output_bytes() == 0
+    monkeypatch.setenv("PACKATTN_CPU_OUTPUT_CACHE_MIB", "100")
+    _out_of(20)  # under 32 MiB: glibc's heap reuses it
+    assert module.kept_output_bytes() == 0
+    a, b, c = _out_of(40), _out_of(40), _out_of(40)
+    size, newer = a.nbytes, {b.data_ptr(), c.data_ptr()}
+    del a
+    assert module.kept_output_bytes() == size
+    del b
+    assert module.kept_output_bytes() == 2 * size
+    del c  # over the limit: the oldest block goes
+    assert module.kept_output_bytes() == 2 * size
+    x, y = _out_of(40), _out_of(40)
+    assert {x.data_ptr(), y.data_ptr()} == newer and module.kept_output_bytes() == 0
+    del x, y
+    assert module.release_output_cache() == 2 * size and module.kept_output_bytes() == 0
+    assert cpu_kernel.release_output_cache() == 0
+
+    kept = _out_of(48)
+    block = kept.data_ptr()
+    del kept
+    assert _out_of(39).data_ptr() == block  # an output that fills four fifths of a block reuses it
+    assert _out_of(38).data_ptr() != block  # a smaller one would waste it
+    module.release_output_cache()
+    monkeypatch.setenv("PACKATTN_CPU_OUTPUT_CACHE_MIB", "30")
+    _out_of(40)  # a block over the limit is not kept
+    assert module.kept_output_bytes() == 0
+
+
+def test_kept_outputs_are_ordinary_tensors():
+    """A tensor on a kept block resizes, and the profiler sees its allocation and its free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = _out_of(40)
+        nbytes = out.nbytes
+        del out
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert nbytes in sizes and -nbytes in sizes
+    out = _out_of(40)
+    head = out[:16].clone()
+    out.resize_(2 * out.shape[0], 8, 64)
+    assert torch.equal(out[:16], head)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "1.5", " "])
+def test_a_bad_output_cache_limit_names_the_variable(value, monkeypatch):
+    monkeypatch.setenv("PACKATTN_CPU_OUTPUT_CACHE_MIB", value)
+    expected = f"PACKATTN_CPU_OUTPUT_CACHE_MIB: expected a whole number of MiB >= 0 .*got '{value}'"
+    with pytest.raises(ValueError, match=expected):
+        _run(make_case([5, 7], [4, 8], hq=4, hkv=2, d=16), {}, grads=False)
+
+
 def _assert_same_bits_at_any_thread_count(case, mask, threads=(1, 2, 1)):
     before = torch.get_num_threads()
     try:

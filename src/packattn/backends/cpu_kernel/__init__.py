@@ -16,6 +16,11 @@ kernel's own AVX512_BF16 dot-product loop on AMD CPUs with that instruction (Zen
 tiles; fp16 always as fp32 tiles (AVX512_FP16 accumulates in fp16). ``$PACKATTN_CPU_BF16_PRODUCTS``
 (``amx``, ``avx512_bf16`` or ``fp32``) picks one of those that run here instead (:func:`bf16_products`).
 
+Outputs (and gradients) of 32 MiB or more are kept when freed, for the next call's outputs of about their
+size: fresh pages from the system cost many short sequences a sixth of their time. At most
+``$PACKATTN_CPU_OUTPUT_CACHE_MIB`` (default 512; 0 keeps none) are kept; :func:`release_output_cache` frees
+them.
+
 Supports fp32, bf16 and fp16 with every mask option (causal, windows, softcap), GQA/MQA, ``Dv != D``,
 empty sides and any strides; float64 stays on the ``cpu`` and ``reference`` paths. Compiled on first use
 (see :mod:`.build`, or ``packattn build`` ahead of time); when it cannot be built, ``unavailable_reason``
@@ -59,6 +64,13 @@ def bf16_products() -> str:
         if choice not in runs_here:
             raise ValueError(f"{BF16_PRODUCTS_ENV}: expected one of {runs_here} on this CPU, got {choice!r}")
     return choice
+
+
+def release_output_cache() -> int:
+    """Frees the outputs the kernel keeps for reuse (see the module's docs); returns their bytes. Like
+    ``torch.cuda.empty_cache()``, it frees nothing that a tensor still uses. Nothing to free without a build."""
+    module = build.loaded()
+    return module.release_output_cache() if module is not None else 0
 
 
 def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -133,6 +133,11 @@ def load(verbose: bool = False) -> ModuleType:
     return module
 
 
+def loaded() -> ModuleType | None:
+    """The compiled module if this process has loaded it, without building it."""
+    return _state.get("module")  # type: ignore[return-value]
+
+
 def _build(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 

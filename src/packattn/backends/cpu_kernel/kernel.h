@@ -18,6 +18,7 @@
 //
 // The headers, by concern (all helpers in namespace detail):
 //   mask.h      sequences, heads and the mask: which keys each query row sees
+//   outputs.h   memory for the outputs: freed blocks of 32 MiB or more kept for the next call
 //   plan.h      work items, their costs and their split between threads
 //   tiles.h     tiles of the inputs, prepared B operands and their cache, the matrix products
 //   bf16_dot.h  the VNNI packing of bf16 B operands and the AVX512_BF16 product kernel
@@ -35,6 +36,7 @@
 
 #include "checks.h"
 #include "mask.h"
+#include "outputs.h"
 #include "plan.h"
 #include "tiles.h"
 #include "vec_math.h"
@@ -109,5 +111,9 @@ inline std::vector<std::string> bf16_products() {
   }
   return names;
 }
+
+// Freed outputs kept for reuse (outputs.h): their bytes, and freeing them all (returns the bytes freed).
+inline int64_t kept_output_bytes() { return int64_t(detail::OutputMemory::get().kept_bytes()); }
+inline int64_t release_output_cache() { return int64_t(detail::OutputMemory::get().release()); }
 
 }  // namespace packattn_kernel

@@ -1,5 +1,5 @@
 // Python bindings of packattn's CPU kernel (kernel.h): the forward and backward entry points, how bf16 can be
-// multiplied here, and one test hook.
+// multiplied here, the outputs kept for reuse, and one test hook.
 #include <torch/extension.h>
 
 #include <cstddef>
@@ -33,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed varlen attention backward -> (dq, dk, dv), in the inputs' dtype");
   m.def("bf16_products", &packattn_kernel::bf16_products,
         "how bf16 inputs can be multiplied on this CPU and build (fp32, avx512_bf16, amx), the default first");
+  m.def("kept_output_bytes", &packattn_kernel::kept_output_bytes,
+        "bytes of freed outputs kept for the next calls (PACKATTN_CPU_OUTPUT_CACHE_MIB)");
+  m.def("release_output_cache", &packattn_kernel::release_output_cache, "frees the kept outputs; returns their bytes");
   m.def("_test_parallel_threads", &test_parallel_threads,
         "test hook: how many threads the kernel's parallel loops run on (at most torch.get_num_threads())");
 }

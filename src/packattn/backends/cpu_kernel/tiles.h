@@ -16,10 +16,6 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
 #include "bf16_dot.h"
 #include "mask.h"
 #include "vec_math.h"
@@ -43,21 +39,6 @@ template <typename U = float>
 U* buffer(std::vector<at::Tensor>& keep, int64_t n) {  // 64-byte aligned scratch
   keep.push_back(at::empty({std::max<int64_t>(n, 1)}, c10::CppTypeToScalarType<U>::value));
   return keep.back().data_ptr<U>();
-}
-
-// An uninitialised tensor that the kernel fills (outputs, gradients). One above 32 MiB is fresh memory from
-// mmap at every call (glibc's largest threshold), and faulting it in 4 KiB pages took a fifth of the time of
-// many short sequences: its 2 MiB-aligned interior is offered to transparent huge pages (as PyTorch does for
-// its own allocations with THP_MEM_ALLOC_ENABLE=1). Only a hint: where the kernel refuses, nothing changes.
-inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(sizes, options);
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr()), end = begin + t.nbytes();
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
-  if (last >= first + 2 * kHuge) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#endif
-  return t;
 }
 
 // Whether outputs are stored past the caches (stream_row): rows of whole 64-byte lines, and more output per
