@@ -3,12 +3,14 @@
 // glibc serves a block above 32 MiB (its largest mmap threshold) with fresh pages at every call, which the
 // system clears as the kernel first writes them: that cost W3 (512 short sequences, 70 MB of fp32 output) a
 // sixth of its forward time and a fifth of its backward's, unless the heap happened to hold a free block
-// that large, so runs differed by as much. Below 32 MiB glibc reuses its heap by itself. So a block of 32 MiB or more
-// is kept when its tensor is freed, for the next output that fills four fifths of it or more: the freed blocks total at
-// most $PACKATTN_CPU_OUTPUT_CACHE_MIB (default 512; 0 keeps none), the oldest let go first, and release_output_cache()
-// frees them all (as torch.cuda.empty_cache() does for CUDA's allocator). Every block's 2 MiB-aligned interior is
-// offered to transparent huge pages (as PyTorch does for its own allocations with THP_MEM_ALLOC_ENABLE=1), which made
-// W3 1.5x faster with fresh pages; only a hint.
+// that large, so runs differed by as much. Below 32 MiB glibc mostly reuses its heap itself.
+//
+// So a block of 32 MiB or more is kept when its tensor is freed, for the next output that fills four fifths
+// of it or more. The kept blocks total at most $PACKATTN_CPU_OUTPUT_CACHE_MIB (default 512; 0 keeps none),
+// the oldest let go first, and release_output_cache() frees them all (as torch.cuda.empty_cache() does for
+// CUDA's allocator). Every new block's 2 MiB-aligned interior is offered to transparent huge pages (as
+// PyTorch does for its own allocations with THP_MEM_ALLOC_ENABLE=1), which made W3 1.5x faster with fresh
+// pages; only a hint.
 #pragma once
 
 #include <ATen/ATen.h>
