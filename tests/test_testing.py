@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -24,6 +25,17 @@ def test_plain_pytorch_passes_and_the_error_is_reported():
     assert err.allowed == pytest.approx(2 * err.baseline + 1e-6 * max(1.0, float(ref_out.abs().max())))
     assert torch.isinf(ref_lse[:, 5:8]).all() and torch.isfinite(ref_lse[:, :5]).all()
     assert_close_to_oracle(pt_lse, ref_lse, pt_lse, name="lse")
+
+
+def test_tensors_that_require_grad_are_compared_quietly():
+    """Outputs of a graph (the usual case in a gradient test) compare without autograd's warning about
+    converting them to numbers."""
+    grad_args = (CASE.q.clone().requires_grad_(), *ARGS[1:])
+    (ref_out, _), (pt_out, _) = oracle(*grad_args), attention_naive(*grad_args)
+    assert ref_out.requires_grad and pt_out.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert assert_close_to_oracle(pt_out, ref_out, pt_out).ok
 
 
 def test_fails_on_a_perturbed_output():

@@ -117,6 +117,7 @@ def assert_close_to_oracle(
     match exactly and NaN never passes, nor does a baseline without a finite error. ``floor`` defaults to a
     rounding floor of ``actual``'s dtype scaled by the magnitude of ``expected``.
     """
+    actual, expected, baseline = actual.detach(), expected.detach(), baseline.detach()  # compared as values
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != oracle's {tuple(expected.shape)}")
     if torch.isnan(actual).any():
