@@ -200,6 +200,13 @@ def check_forward(name: str, case: Case, **mask: object) -> None:
     assert_matches_oracle(case, out, lse, **mask)
 
 
+def as_received(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A loss's float64 weights of a result in ``dtype``, rounded as the result's gradient reaches a backward
+    (out's in the inputs' dtype, the LSE's in float32, float64 for float64): the oracle's backward must start
+    from the same dO and dLSE as the backends' (an fp16 dO alone is off by up to 2**-12 of each element)."""
+    return weights.to(dtype).double()
+
+
 def check_backward(name: str, case: Case, **mask: object) -> None:
     """Gradients of q, k, v (through out and, when the backend returns it, LSE) against the oracle's.
 
@@ -211,6 +218,7 @@ def check_backward(name: str, case: Case, **mask: object) -> None:
     gen = torch.Generator().manual_seed(1)
     dout = torch.randn(case.q.shape[0], case.q.shape[1], case.v.shape[2], generator=gen, dtype=torch.float64).to(DEVICE)
     dlse = torch.randn(case.q.shape[1], case.q.shape[0], generator=gen, dtype=torch.float64).to(DEVICE)
+    dout, dlse = as_received(dout, case.q.dtype), as_received(dlse, compute_dtype(case.q.dtype))
     out, lse = attend(name, case, **mask)
     with_lse = lse is not None  # a backend without LSE gets its gradients through out only
 
