@@ -587,8 +587,9 @@ def _tests_pass_on_another_build(env: dict[str, str], files: list[str], select: 
     """Runs the tests of ``files`` that ``select`` picks in a new process with ``env``, which makes another build
     of the kernel; asserts that they ran and passed, and returns pytest's report."""
     full = {k: v for k, v in os.environ.items() if k not in (build.EMULATE_ENV, cpu_kernel.BF16_PRODUCTS_ENV)}
+    args = ["-q", "-x", "-rs", "-p", "no:cacheprovider", "--capture=sys"]  # sys: a crash's report reaches stderr
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *files, "-k", select],
+        [sys.executable, "-m", "pytest", *args, *files, "-k", select],
         capture_output=True,
         text=True,
         timeout=900,

@@ -248,6 +248,9 @@ EDGES = {
     # fp16 rows are widened to fp32 a block of two vectors at a time: 33 and 95 leave tails of one lane and of
     # more than one vector (AVX-512; other widths other tails)
     "fp16_row_tails": Fuzz([37, 5], [29, 66], 4, 2, 33, 95, "contiguous", {"window_size": (20, -1)}, torch.float16),
+    # bf16 tiles (AMX, the dot-product loop) are transposed in blocks of 32 x 32: 31 keys and 63 columns leave
+    # blocks of 31 rows and of 31 columns, which ATen's own transpose cannot take (tiles.h, transpose_block)
+    "bf16_blocks_of_31": Fuzz([5, 31], [31, 40], 2, 2, 63, 31, "contiguous", {}, torch.bfloat16),
 }
 
 

@@ -25,4 +25,5 @@ if [[ ${#args[@]} == 0 ]]; then
     args=(tests/test_fuzz.py tests/test_cpu_kernel.py tests/test_nonfinite.py -k "cpu_kernel or fuzz or edges")
 fi
 LD_PRELOAD="$preload" $py -m packattn build
-LD_PRELOAD="$preload" $py -m pytest -q -p no:cacheprovider "${args[@]}"
+# --capture=sys: a report is written to the process's stderr as it dies, which pytest's own capture would keep
+LD_PRELOAD="$preload" $py -m pytest -q -p no:cacheprovider --capture=sys "${args[@]}"

@@ -121,7 +121,18 @@ void transpose_block(const E* src, int64_t ld_src, E* dst, int64_t ld_dst, int m
   if constexpr (std::is_same_v<E, float>) {
     transpose16(src, ld_src, dst, ld_dst, m, m_pad, n);
   } else {
-    if (m > 0) at::vec::transpose_mxn<E>(src, ld_src, dst, ld_dst, m, n);
+    // ATen's transpose_mxn<BFloat16> makes its masks as (1 << count) - 1 in int, which overflows (undefined
+    // behaviour) at a count of 31: 31 columns or rows go as 16 and 15.
+    if (n == 31) {
+      transpose_block(src, ld_src, dst, ld_dst, m, m_pad, 16);
+      return transpose_block(src + 16, ld_src, dst + 16 * ld_dst, ld_dst, m, m_pad, 15);
+    }
+    if (m == 31) {
+      at::vec::transpose_mxn<E>(src, ld_src, dst, ld_dst, 16, n);
+      at::vec::transpose_mxn<E>(src + 16 * ld_src, ld_src, dst + 16, ld_dst, 15, n);
+    } else if (m > 0) {
+      at::vec::transpose_mxn<E>(src, ld_src, dst, ld_dst, m, n);
+    }
     for (int j = 0; j < n; ++j) std::fill(dst + j * ld_dst + m, dst + j * ld_dst + m_pad, E(0));
   }
 }
