@@ -203,7 +203,7 @@ def check_forward(name: str, case: Case, **mask: object) -> None:
 def as_received(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A loss's float64 weights of a result in ``dtype``, rounded as the result's gradient reaches a backward
     (out's in the inputs' dtype, the LSE's in float32, float64 for float64): the oracle's backward must start
-    from the same dO and dLSE as the backends' (an fp16 dO alone is off by up to 2**-12 of each element)."""
+    from the same dO and dLSE as the backends' (fp16 alone moves each element by up to 2**-11 of it)."""
     return weights.to(dtype).double()
 
 
