@@ -276,3 +276,91 @@ def test_generation_with_a_cache_matches_eager(padding: str) -> None:
     runs = [m.generate(input_ids=ids, attention_mask=mask, pad_token_id=7, **options) for m in (eager, packed)]
     torch.testing.assert_close(torch.stack(runs[1].logits), torch.stack(runs[0].logits), **TOL)
     assert torch.equal(runs[1].sequences, runs[0].sequences)
+
+
+SEQ2SEQ = transformers.BartConfig(
+    vocab_size=50,
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=64,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+
+
+@pytest.mark.parametrize("decoder_length", [4, 8, 10])
+def test_cross_attention_over_a_padded_encoder_matches_eager(decoder_length: int) -> None:
+    """Cross-attention's mask is the encoder's: every decoder query attends to its row's real encoder tokens,
+    whether the decoder is shorter than, as long as or longer than the encoder."""
+    eager, packed = pair(SEQ2SEQ, transformers.BartModel)
+    gen = torch.Generator().manual_seed(0)
+    enc = torch.randint(3, 50, (2, 8), generator=gen)
+    enc_mask = torch.ones(2, 8, dtype=torch.long)
+    enc_mask[1, 5:] = 0
+    dec = torch.randint(3, 50, (2, decoder_length), generator=gen)
+    got, want = (m(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=dec) for m in (packed, eager))
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **TOL)
+    real = enc_mask.bool()
+    torch.testing.assert_close(got.encoder_last_hidden_state[real], want.encoder_last_hidden_state[real], **TOL)
+
+
+@pytest.mark.parametrize("padding", ["left_padded", "unpadded"])
+def test_generation_with_a_static_cache_matches_eager(padding: str) -> None:
+    """A static cache hands every slot to the layers, the unfilled ones zero: only the filled ones are keys."""
+    eager, packed = pair(DECODERS["llama_gqa"])
+    seqs = sequences()
+    if padding == "unpadded":
+        seqs = [s[:4] for s in seqs if len(s) >= 4]
+    ids, mask = padded(seqs, "left")
+    options = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    runs = [
+        m.generate(input_ids=ids, attention_mask=mask, pad_token_id=7, cache_implementation="static", **options)
+        for m in (eager, packed)
+    ]
+    torch.testing.assert_close(torch.stack(runs[1].logits), torch.stack(runs[0].logits), **TOL)
+    cache = transformers.StaticCache(config=DECODERS["llama_gqa"], max_cache_len=16)
+    got = packed(input_ids=seqs[0][None], past_key_values=cache).logits  # no mask: the fill level alone
+    torch.testing.assert_close(got, eager(input_ids=seqs[0][None]).logits, **TOL)
+
+
+def test_refuses_masks_and_biases_it_does_not_compute() -> None:
+    """Chunked attention, T5's additive position bias and a window over a mask with a gap inside a row would
+    be ignored or miscounted: each raises, naming what."""
+    chunked = transformers.Llama4TextConfig(
+        **DIMS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size_mlp=64,
+        num_local_experts=2,
+        attention_chunk_size=4,
+        no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"],
+        moe_layers=[],
+    )
+    _, packed = pair(chunked, transformers.Llama4ForCausalLM)
+    ids = torch.randint(0, DIMS["vocab_size"], (1, 10))
+    with pytest.raises(ValueError, match="chunked_overlay, which packattn does not compute"):
+        packed(input_ids=ids)
+    t5 = transformers.T5Config(vocab_size=61, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, dropout_rate=0)
+    _, packed = pair(t5, transformers.T5EncoderModel)
+    with pytest.raises(ValueError, match="position_bias is not supported"):
+        packed(input_ids=ids)
+    _, packed = pair(DECODERS["mistral_window"])
+    gap = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="gaps inside a row"):
+        packed(input_ids=ids, attention_mask=gap)
+    left = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    eager, packed = pair(DECODERS["mistral_window"])
+    real = left[0].bool()
+    torch.testing.assert_close(
+        outputs(packed, input_ids=ids, attention_mask=left)[0, real],
+        outputs(eager, input_ids=ids, attention_mask=left)[0, real],
+        **TOL,
+    )

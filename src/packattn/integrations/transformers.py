@@ -7,9 +7,13 @@ tensors into a packed batch, chosen in this order:
 
 1. ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=
    True)``): batch 1, one sequence per offset pair.
-2. A 2-D padding mask ``(batch, kv_len)`` (1 = token): the real tokens of each row form one sequence; the
-   output rows of padding are 0. With ``q_len < kv_len`` (decoding with a cache) the queries are the last
-   ``q_len`` positions of each row, as in flash-attention's varlen path.
+2. A 2-D padding mask ``(batch, kv_len)`` (1 = token). In a causal layer the real tokens of each row form
+   one sequence and the output rows of padding are 0; with ``q_len < kv_len`` (decoding with a cache) the
+   queries are the last ``q_len`` positions of each row, as in flash-attention's varlen path. In a
+   bidirectional layer without a window (encoders, cross-attention) every query attends to its row's real
+   keys, as eager does; with a window, queries are taken as in a causal layer.
+   A static cache (``cache_implementation="static"``) hands over all its slots: the mask builder keeps only
+   the slots filled so far.
 3. Batch 1 with ``position_ids`` restarting (``DataCollatorWithFlattening``): a new sequence starts wherever a
    position is not the previous one + 1 (transformers' own rule for packed masks).
 4. Otherwise every row is one sequence and the offsets come from the shapes alone: no device sync, and the
@@ -22,14 +26,18 @@ Masking follows the module: ``is_causal`` (keyword or ``module.is_causal``) is b
 decoding with a cache sees the whole prefix. The ``sliding_window=W`` a layer passes counts the token
 itself: window ``(W - 1, 0)`` for causal layers (the ``W`` most recent keys), ``(W - 1, W - 1)`` for
 bidirectional ones (ModernBERT passes its half-window + 1), as transformers' eager masks compute.
-``softcap`` and ``scaling`` are passed on; GQA runs without repeating K/V. Attention dropout and attention
-sinks (``s_aux``) are not supported and raise ``ValueError``; a 4-D mask (a custom mask, or one built for
-another implementation) raises ``TypeError``.
+``softcap`` and ``scaling`` are passed on; GQA runs without repeating K/V. What packattn cannot compute
+exactly raises instead of being ignored: attention dropout, attention sinks (``s_aux``) and an additive
+``position_bias`` (T5) raise ``ValueError``; so do mask patterns other than causal, bidirectional and
+sliding-window ones (chunked attention, bidirectional image blocks), and a sliding window over a padding
+mask with gaps inside a row (the window would count packed tokens, not positions). A 4-D mask (a custom
+mask, or one built for another implementation) raises ``TypeError``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,20 +68,72 @@ def mask_forward(
     batch_size: int,
     q_length: int,
     kv_length: int,
-    q_offset: int = 0,
+    q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
     mask_function: Any = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """The mask transformers hands to :func:`attention_forward`: the 2-D padding mask ``(batch, kv_len)``
-    as booleans, or None when nothing is padded. Causality, windows and packing are applied by packattn."""
+    as booleans, or None when nothing is padded. Causality, windows and packing are applied by packattn.
+
+    In self-attention with a cache, keys past the last query's position are left out: a static cache passes
+    all its slots, the empty ones past that position. The mask is then narrower than the keys.
+    Raises ``ValueError`` for a mask pattern packattn does not compute."""
+    unsupported = sorted(set(_mask_parts(mask_function)) - _MASK_PARTS) if mask_function is not None else []
+    if unsupported:
+        raise ValueError(
+            f"{_WHERE}: this model's attention mask uses {', '.join(unsupported)}, which packattn does not compute "
+            "(it computes causal, bidirectional and sliding-window attention over padded or packed sequences); "
+            "use another attn_implementation for this model"
+        )
+    filled = kv_length
+    if kv_length > q_length and getattr(mask_function, "__name__", "") != "bidirectional_mask_function":
+        # Self-attention with a cache (cross-attention's mask is plain bidirectional): the keys up to the last
+        # query's position. A static cache's fill level is a tensor: a device read.
+        filled = min(kv_length, int(q_offset) - kv_offset + q_length)
     if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:].bool()
+        if filled == kv_length:
+            return None
+        return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
+    attention_mask = attention_mask[:, -kv_length:][:, :filled].bool()
     if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None  # every token is real: the shape-only path, with no sync in the layers
     return attention_mask
+
+
+# The parts of transformers' mask functions that packattn computes: causality and windows from the layer's
+# arguments, packing from position_ids. Anything else (chunked attention, image blocks, a user's function)
+# would be ignored, so it is refused.
+_MASK_PARTS = {
+    "causal_mask_function",
+    "bidirectional_mask_function",
+    "sliding_window_overlay",
+    "sliding_window_bidirectional_overlay",
+    "packed_sequence_mask_function",
+}
+_MASK_COMBINERS = {"and_masks", "remap_positions_for_packed_sequence"}  # their parts are in their closures
+
+
+def _mask_parts(fn: Any) -> Iterator[str]:
+    """The factories of the pieces a transformers mask function is built from. torch.compile cannot trace
+    into closures: while compiling, an intersection (``and_masks``) is accepted without reading its parts."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", type(fn).__name__)
+    qualname = getattr(fn, "__qualname__", None)  # can be None while compiling
+    if module != "transformers.masking_utils":
+        yield f"{module}.{qualname or name}"
+    elif torch.compiler.is_compiling() and name == "and_mask":
+        return
+    elif qualname is None:
+        yield name
+    elif qualname.split(".<locals>")[0] in _MASK_COMBINERS:
+        for cell in fn.__closure__ or ():
+            inner = cell.cell_contents
+            for part in inner if isinstance(inner, tuple) else (inner,):
+                if callable(part) and not isinstance(part, torch.Tensor):
+                    yield from _mask_parts(part)
+    else:
+        yield qualname.split(".<locals>")[0]
 
 
 def attention_forward(
@@ -98,12 +158,14 @@ def attention_forward(
             f"{_WHERE}: attention dropout is not supported, got dropout={dropout} (module {type(module).__name__} "
             "in training mode); set the config's attention dropout to 0.0"
         )
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(f"{_WHERE}: attention sinks (s_aux) are not supported; use another attn_implementation")
+    for name, what in (("s_aux", "attention sinks (s_aux)"), ("position_bias", "an additive position_bias")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{_WHERE}: {what} is not supported; use another attn_implementation")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     left = right = -1
-    if sliding_window is not None and sliding_window > 0:  # HF's window counts the token itself
-        left, right = (sliding_window - 1, -1 if causal else sliding_window - 1)
+    windowed = sliding_window is not None and sliding_window > 0
+    if windowed:  # HF's window counts the token itself
+        left, right = (sliding_window - 1, -1 if causal else sliding_window - 1)  # type: ignore[operator]
     options: dict[str, Any] = {
         "softmax_scale": scaling,
         "causal": causal,
@@ -111,7 +173,7 @@ def attention_forward(
         "softcap": float(softcap or 0.0),
         "backend": backend,
     }
-    batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
+    batch, lq = query.shape[0], query.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
@@ -119,12 +181,20 @@ def attention_forward(
         out = attend_offsets(q[0], k[0], v[0], memo(_host, cu_q), memo(_host, cu_k), **options)
         return out.unsqueeze(0), None
     if attention_mask is not None:
-        mask = _padding_mask(attention_mask, batch, lk)
-        # Queries: the last lq positions of each row (decoding with a cache), every query when lq == 1.
-        rows_q = None if lq == 1 else memo(_query_rows, mask, lq)
+        mask = _padding_mask(attention_mask, batch, lq, k.shape[1])
+        k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]  # a static cache's filled slots
+        if windowed and memo(_has_gaps, mask):
+            raise ValueError(
+                f"{_WHERE}: a sliding window over a padding mask with gaps inside a row is not supported: the "
+                "window would count the packed tokens instead of the positions; pad on the left or the right"
+            )
+        # Every query attends to its row's real keys in a bidirectional layer without a window (encoders,
+        # cross-attention) and when there is one; otherwise the queries are the last lq positions of each row.
+        every_query = lq == 1 or not (causal or windowed)
+        rows_q = None if every_query else memo(_query_rows, mask, lq)
         return attend_padded(q, k, v, rows_q, memo(marked_rows, mask), **options), None
     position_ids = kwargs.get("position_ids")
-    if batch == 1 and lq == lk > 1 and isinstance(position_ids, torch.Tensor):
+    if batch == 1 and lq == k.shape[1] > 1 and isinstance(position_ids, torch.Tensor):
         cu = memo(_offsets_from_positions, position_ids, lq)
         if cu is not None:
             return attend_offsets(q[0], k[0], v[0], cu, cu, **options).unsqueeze(0), None
@@ -136,18 +206,28 @@ def _check_packed(batch: int) -> None:
         raise ValueError(f"{_WHERE}: a batch packed with cu_seq_lens_q/k must have batch size 1, got {batch}")
 
 
-def _padding_mask(mask: object, batch: int, lk: int) -> torch.Tensor:
+def _padding_mask(mask: object, batch: int, lq: int, lk: int) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise InputTypeError(
             f"{_WHERE}: attention_mask must be a 2-D padding mask (batch, kv_len) as built by packattn's mask "
             f"function, got {shape}; pass a 2-D mask of 1s (tokens) and 0s (padding), not a custom 4-D mask"
         )
-    if tuple(mask.shape) != (batch, lk):
+    if mask.shape[0] != batch or not min(lq, lk) <= mask.shape[1] <= lk:
         raise ValueError(
-            f"{_WHERE}: attention_mask must have shape {(batch, lk)} (batch, kv_len), got {tuple(mask.shape)}"
+            f"{_WHERE}: attention_mask must have shape {(batch, lk)} (batch, kv_len), or fewer columns (the filled "
+            f"slots of a static cache, at least {min(lq, lk)}), got {tuple(mask.shape)}"
         )
     return mask.bool()
+
+
+def _has_gaps(mask: torch.Tensor) -> bool:
+    """Whether some row's True entries are not one contiguous run (a device read)."""
+    idx = torch.arange(mask.shape[1], device=mask.device)
+    first = torch.where(mask, idx, mask.shape[1]).amin(1)
+    last = torch.where(mask, idx, -1).amax(1)
+    count = mask.sum(1)
+    return bool(((count > 0) & (last - first + 1 != count)).any())
 
 
 def _host(cu: torch.Tensor) -> Offsets:
@@ -155,6 +235,11 @@ def _host(cu: torch.Tensor) -> Offsets:
 
 
 def _query_rows(mask: torch.Tensor, lq: int) -> Rows:
+    if lq > mask.shape[1]:
+        raise ValueError(
+            f"{_WHERE}: a causal or windowed layer needs its {lq} queries among the mask's positions, but the "
+            f"attention_mask has {mask.shape[1]} columns"
+        )
     return marked_rows(mask if lq == mask.shape[1] else mask[:, -lq:])
 
 
