@@ -9,6 +9,7 @@ import torch
 import packattn
 from packattn.compat.flash_attn import flash_attn_varlen_func
 from packattn.compat.sglang import fused_infer_attention_varlen
+from packattn.testing import oracle
 
 from .helpers import Case, assert_matches_oracle, check_backward, make_case
 
@@ -206,9 +207,10 @@ def test_flash_attn_refuses_what_it_cannot_honour(kwargs, message):
         ({"deterministic": "yes"}, TypeError, r"deterministic must be a bool, got str"),
         ({"window_size": (2, 3, 4)}, TypeError, r"window_size must be a pair \(left, right\) of ints"),
         ({"window_size": torch.tensor([2.0, 3.0])}, TypeError, r"window_size must be a pair"),
-        ({"softcap": -1.0}, ValueError, r"softcap must be a finite float >= 0"),
+        ({"softcap": "1.0"}, TypeError, r"softcap must be a float, got str"),
+        ({"softmax_scale": float("nan")}, ValueError, r"softmax_scale must be finite and > 0, got nan"),
     ],
-    ids=["dropout-type", "probs-type", "deterministic-type", "window-3", "window-float-tensor", "softcap"],
+    ids=["dropout-type", "probs-type", "deterministic-type", "window-3", "window-float-tensor", "softcap", "scale"],
 )
 def test_flash_attn_validation_messages(kwargs, error, message):
     with pytest.raises(error, match=f"^flash_attn_varlen_func: {message}"):
@@ -266,6 +268,37 @@ def test_flash_attn_window_bounds_at_max_seqlen_k_are_unbounded():
     assert torch.equal(out, as_list) and torch.equal(out, as_tensor)
     causal = flash_attn_varlen_func(*args, causal=True, window_size=(5, 7))  # left 5 >= 3: unbounded too
     assert torch.equal(causal, flash_attn_varlen_func(*args, causal=True))
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
+def test_flash_attn_takes_a_scale_of_zero_or_below_as_flash_attn_2_does(scale):
+    """packattn's own API wants a scale > 0; flash-attn 2 computes with any: so does its drop-in, gradients
+    included (0: every visible key weighs the same)."""
+    case = make_case(*SEED_CASE, hq=4, hkv=2, d=16)
+    q = case.q.clone().requires_grad_()
+    out, lse, _ = flash_attn_varlen_func(
+        q, case.k, case.v, *case.tensors(), 7, 9, softmax_scale=scale, softcap=2.5, causal=True, return_attn_probs=True
+    )
+    mask = {"softmax_scale": scale, "softcap": 2.5, "causal": True}
+    assert_matches_oracle(case, out.detach(), lse.detach(), **mask)
+    ref = case.q.double().requires_grad_()
+    ref_out, _ = oracle(ref, case.k.double(), case.v.double(), case.cu_q, case.cu_k, **mask)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    (out * weights).sum().backward()
+    (ref_out * weights.double()).sum().backward()
+    torch.testing.assert_close(q.grad, ref.grad.float(), atol=1e-5, rtol=1e-4)
+    assert torch.equal(case.q, q.detach())  # q itself untouched
+
+
+def test_flash_attn_reads_softcap_window_and_numpy_scale_as_flash_attn_2_does():
+    """A cap of 0 or below is off, any negative window bound is unbounded, a NumPy scale is a number."""
+    np = pytest.importorskip("numpy")
+    case = make_case(*SEED_CASE, hq=4, hkv=2, d=16)
+    plain = flash(case, causal=True)
+    assert torch.equal(flash(case, causal=True, softcap=-1.0), plain)
+    assert torch.equal(flash(case, causal=True, window_size=(-2, -5)), plain)
+    assert torch.equal(flash(case, window_size=(-7, 2)), flash(case, window_size=(-1, 2)))
+    assert torch.equal(flash(case, softmax_scale=np.float32(0.25)), flash(case, softmax_scale=0.25))
 
 
 def test_flash_attn_offsets_are_validated_with_its_name():

@@ -10,8 +10,12 @@ soft-capping) and return conventions. Where packattn differs, it says so instead
   offsets once (a device sync for offsets on an accelerator; flash-attn's signature has no host copies).
 * Windows are read as flash-attn 2 reads them: ``causal=True`` sets the right bound to 0 and keeps the
   left one (``causal=True, window_size=(4, 7)`` is ``(4, 0)``), and a bound ``>= max_seqlen_k`` is
-  unbounded (-1); ``window_size`` may be a tuple, a list or a 2-element integer tensor. (packattn's own
-  ``varlen_attention`` refuses ``causal=True`` with a right bound > 0 instead.)
+  unbounded (-1), as is any negative bound; ``window_size`` may be a tuple, a list or a 2-element integer
+  tensor. (packattn's own ``varlen_attention`` refuses ``causal=True`` with a right bound > 0 and bounds
+  below -1 instead.)
+* ``softmax_scale`` and ``softcap`` are read as flash-attn 2 reads them: any real number, NumPy scalars
+  included; a scale of 0 or below is used as given (0: every visible key weighs the same), a cap of 0 or
+  below is off. (``varlen_attention`` takes a scale > 0 and a cap >= 0.)
 * Rows that see no key have LSE **-inf**, where flash-attn 2 returns +inf: -inf is the log of an empty sum,
   the value that merges of partial results (ring attention, split-KV) need to stay NaN-free, and what
   FlashAttention-3's kernel and FlashInfer return. Code that tests ``lse.isinf()`` works with both; code
@@ -22,6 +26,8 @@ soft-capping) and return conventions. Where packattn differs, it says so instead
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -46,7 +52,7 @@ def _check_max(value: object, name: str, longest: int) -> None:
 
 
 def _window(window_size: object, causal: bool, max_seqlen_k: int) -> tuple[object, object]:
-    """flash-attn 2's reading of ``window_size``: causal forces right = 0; bounds >= max_seqlen_k are -1."""
+    """flash-attn 2's reading of ``window_size``: causal forces right = 0; bounds < 0 or >= max_seqlen_k are -1."""
     if isinstance(window_size, torch.Tensor) and window_size.shape == (2,) and not window_size.is_floating_point():
         window_size = tuple(window_size.tolist())
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -58,8 +64,25 @@ def _window(window_size: object, causal: bool, max_seqlen_k: int) -> tuple[objec
     if causal:
         right = 0
     if isinstance(left, int) and isinstance(right, int) and not isinstance(left, bool) and not isinstance(right, bool):
-        left, right = (-1 if w >= max_seqlen_k else w for w in (left, right))
+        left, right = (-1 if w < 0 or w >= max_seqlen_k else w for w in (left, right))
     return left, right
+
+
+def _scale_and_cap(q: torch.Tensor, softmax_scale: object, softcap: object) -> tuple[torch.Tensor, object, object]:
+    """flash-attn 2's reading of the scale and the soft cap: any real number (a NumPy scalar too), a scale of 0
+    or below used as given, a cap of 0 or below off. packattn's own API takes a scale > 0: a negative scale
+    becomes -q and -scale (the same scores, exactly), a zero scale zero scores (q * 0 keeps NaN and inf
+    propagating as flash-attn's product would)."""
+    if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap <= 0:
+        softcap = 0.0
+    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
+        return q, softmax_scale, softcap  # None, or a wrong type that run_attention names
+    scale = float(softmax_scale)
+    if scale < 0:
+        return -q, -scale, softcap
+    if scale == 0:
+        return q * 0, 1.0, softcap
+    return q, scale, softcap
 
 
 def _refuse(dropout_p: object, alibi_slopes: object, block_table: object) -> None:
@@ -125,6 +148,7 @@ def flash_attn_varlen_func(
     if not isinstance(causal, bool):
         raise InputTypeError(f"{WHERE}: causal must be a bool, got {type(causal).__name__}")
     left, right = _window(window_size, causal, max_seqlen_k)
+    q, scale, cap = _scale_and_cap(q, softmax_scale, softcap)
     res = run_attention(
         q,
         k,
@@ -133,10 +157,10 @@ def flash_attn_varlen_func(
         layout.cu_k,
         cu_seqlens_q_host=layout.host_q,
         cu_seqlens_k_host=layout.host_k,
-        softmax_scale=softmax_scale,
+        softmax_scale=scale,  # type: ignore[arg-type]  # run_attention checks them
         causal=False,  # in the window's right bound
-        window_size=(left, right),  # type: ignore[arg-type]  # run_attention checks them
-        softcap=softcap,
+        window_size=(left, right),  # type: ignore[arg-type]
+        softcap=cap,  # type: ignore[arg-type]
         return_lse=return_attn_probs,
         backend=None,
         where=WHERE,
