@@ -329,6 +329,26 @@ def test_generation_with_a_static_cache_matches_eager(padding: str) -> None:
     torch.testing.assert_close(got, eager(input_ids=seqs[0][None]).logits, **TOL)
 
 
+def test_a_models_own_mask_overlays_follow_the_layers_arguments() -> None:
+    """EmbeddingGemma's setting: Gemma3 layers made bidirectional through the model's own overlays, full and
+    sliding (|i - j| < W), which the layers' is_causal=False and sliding_window describe."""
+    cfg = transformers.Gemma3TextConfig(
+        **DIMS,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=3,
+        use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    eager, packed = pair(cfg, transformers.Gemma3TextModel)
+    seqs = sequences()
+    want = alone(eager, seqs)
+    ids, mask = padded(seqs, "right")
+    got = unpad(outputs(packed, input_ids=ids, attention_mask=mask), mask)
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), **TOL)
+
+
 def test_refuses_masks_and_biases_it_does_not_compute() -> None:
     """Chunked attention, T5's additive position bias and a window over a mask with a gap inside a row would
     be ignored or miscounted: each raises, naming what."""
@@ -346,8 +366,12 @@ def test_refuses_masks_and_biases_it_does_not_compute() -> None:
     )
     _, packed = pair(chunked, transformers.Llama4ForCausalLM)
     ids = torch.randint(0, DIMS["vocab_size"], (1, 10))
-    with pytest.raises(ValueError, match="chunked_overlay, which packattn does not compute"):
+    with pytest.raises(ValueError, match=r"chunked attention \(chunked_overlay\), which packattn does not compute"):
         packed(input_ids=ids)
+    _, packed = pair(DECODERS["llama_gqa"])
+    rows = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    with pytest.raises(ValueError, match=r"rows of a batch of more than one \(packed_sequence_mask_function\)"):
+        packed(input_ids=ids[:, :5].expand(2, 5), position_ids=rows, use_cache=False)
     t5 = transformers.T5Config(vocab_size=61, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, dropout_rate=0)
     _, packed = pair(t5, transformers.T5EncoderModel)
     with pytest.raises(ValueError, match="position_bias is not supported"):

@@ -28,10 +28,12 @@ itself: window ``(W - 1, 0)`` for causal layers (the ``W`` most recent keys), ``
 bidirectional ones (ModernBERT passes its half-window + 1), as transformers' eager masks compute.
 ``softcap`` and ``scaling`` are passed on; GQA runs without repeating K/V. What packattn cannot compute
 exactly raises instead of being ignored: attention dropout, attention sinks (``s_aux``) and an additive
-``position_bias`` (T5) raise ``ValueError``; so do mask patterns other than causal, bidirectional and
-sliding-window ones (chunked attention, bidirectional image blocks), and a sliding window over a padding
-mask with gaps inside a row (the window would count packed tokens, not positions). A 4-D mask (a custom
-mask, or one built for another implementation) raises ``TypeError``.
+``position_bias`` (T5) raise ``ValueError``; so do masks that no layer argument describes (Llama 4's
+chunked attention, bidirectional blocks of image tokens, sequences packed into the rows of a batch larger
+than 1), and a sliding window over a padding mask with gaps inside a row (the window would count packed
+tokens, not positions). A model's own mask functions are taken to say what its layers' ``is_causal`` and
+``sliding_window`` say; these are checked in eager calls (torch.compile cannot read them). A 4-D mask (a
+custom mask, or one built for another implementation) raises ``TypeError``.
 """
 
 from __future__ import annotations
@@ -75,17 +77,21 @@ def mask_forward(
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """The mask transformers hands to :func:`attention_forward`: the 2-D padding mask ``(batch, kv_len)``
-    as booleans, or None when nothing is padded. Causality, windows and packing are applied by packattn.
+    as booleans, or None when nothing is padded. Causality, windows and packing are applied by packattn,
+    from the layer's arguments and ``position_ids``.
 
     In self-attention with a cache, keys past the last query's position are left out: a static cache passes
     all its slots, the empty ones past that position. The mask is then narrower than the keys.
     Raises ``ValueError`` for a mask pattern packattn does not compute."""
-    unsupported = sorted(set(_mask_parts(mask_function)) - _MASK_PARTS) if mask_function is not None else []
-    if unsupported:
+    factories = set(_mask_factories(mask_function))
+    refused = [f"{what} ({name})" for name, what in _REFUSED_MASKS.items() if name in factories]
+    if batch_size > 1 and "packed_sequence_mask_function" in factories:
+        refused.append("sequences packed into the rows of a batch of more than one (packed_sequence_mask_function)")
+    if refused:
         raise ValueError(
-            f"{_WHERE}: this model's attention mask uses {', '.join(unsupported)}, which packattn does not compute "
-            "(it computes causal, bidirectional and sliding-window attention over padded or packed sequences); "
-            "use another attn_implementation for this model"
+            f"{_WHERE}: this model's attention mask has {', '.join(refused)}, which packattn does not compute "
+            "(it computes causal, bidirectional and sliding-window attention over padded sequences, or sequences "
+            "packed into batch 1); use another attn_implementation for this model"
         )
     filled = kv_length
     if kv_length > q_length and getattr(mask_function, "__name__", "") != "bidirectional_mask_function":
@@ -102,38 +108,24 @@ def mask_forward(
     return attention_mask
 
 
-# The parts of transformers' mask functions that packattn computes: causality and windows from the layer's
-# arguments, packing from position_ids. Anything else (chunked attention, image blocks, a user's function)
-# would be ignored, so it is refused.
-_MASK_PARTS = {
-    "causal_mask_function",
-    "bidirectional_mask_function",
-    "sliding_window_overlay",
-    "sliding_window_bidirectional_overlay",
-    "packed_sequence_mask_function",
-}
-_MASK_COMBINERS = {"and_masks", "remap_positions_for_packed_sequence"}  # their parts are in their closures
+# Pieces of transformers' mask functions that no argument of the attention layers describes. Any other piece
+# (causal, bidirectional, a window, a model's own overlay for them) is what the layer's is_causal and
+# sliding_window say, which packattn computes.
+_REFUSED_MASKS = {"chunked_overlay": "chunked attention", "blockwise_overlay": "bidirectional blocks of image tokens"}
 
 
-def _mask_parts(fn: Any) -> Iterator[str]:
-    """The factories of the pieces a transformers mask function is built from. torch.compile cannot trace
-    into closures: while compiling, an intersection (``and_masks``) is accepted without reading its parts."""
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", type(fn).__name__)
-    qualname = getattr(fn, "__qualname__", None)  # can be None while compiling
-    if module != "transformers.masking_utils":
-        yield f"{module}.{qualname or name}"
-    elif torch.compiler.is_compiling() and name == "and_mask":
+def _mask_factories(fn: Any, depth: int = 0) -> Iterator[str]:
+    """The transformers.masking_utils factories that built ``fn`` and the functions in its closure. While
+    compiling, nothing is read: torch.compile cannot trace into closures, and an eager call checks the same."""
+    if torch.compiler.is_compiling() or depth > 8 or not callable(fn) or isinstance(fn, torch.Tensor):
         return
-    elif qualname is None:
-        yield name
-    elif qualname.split(".<locals>")[0] in _MASK_COMBINERS:
-        for cell in fn.__closure__ or ():
-            inner = cell.cell_contents
-            for part in inner if isinstance(inner, tuple) else (inner,):
-                if callable(part) and not isinstance(part, torch.Tensor):
-                    yield from _mask_parts(part)
-    else:
+    qualname = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", None) == "transformers.masking_utils":
         yield qualname.split(".<locals>")[0]
+    for cell in getattr(fn, "__closure__", None) or ():
+        inner = cell.cell_contents
+        for part in inner if isinstance(inner, tuple) else (inner,):
+            yield from _mask_factories(part, depth + 1)
 
 
 def attention_forward(
