@@ -181,7 +181,8 @@ def attention_forward(
                 "window would count the packed tokens instead of the positions; pad on the left or the right"
             )
         # Every query attends to its row's real keys in a bidirectional layer without a window (encoders,
-        # cross-attention) and when there is one; otherwise the queries are the last lq positions of each row.
+        # cross-attention) and in a layer with one query; otherwise the queries are the last lq positions of
+        # each row, and those of padding are not computed.
         every_query = lq == 1 or not (causal or windowed)
         rows_q = None if every_query else memo(_query_rows, mask, lq)
         return attend_padded(q, k, v, rows_q, memo(marked_rows, mask), **options), None
