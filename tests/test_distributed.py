@@ -49,7 +49,7 @@ GROUPS = {
     "ws3": [0, 1, 2],
     "ws4": None,
     "ranks123": [1, 2, 3],
-    **{f"pair{a}{b}": [a, b] for a, b in ((0, 1), (2, 3), (0, 2), (1, 3))},
+    **{f"pair{a}{b}": [a, b] for a, b in ((0, 1), (2, 3), (0, 2), (1, 3), (0, 3), (1, 2))},
 }
 # Meshes: name -> (the group of all its ranks, {global rank: (Ulysses group, ring group)}); None: that
 # dimension has one rank. Under u2r2, global rank g is Ulysses rank g % 2 of ring rank g // 2.
@@ -227,6 +227,7 @@ def case_matches_single_process(
     out, lse = attend(*leaves, plan, return_lse=True, backend=backend, **opts)
     lse_dtype = torch.float64 if c.q.dtype == torch.float64 else torch.float32
     assert out.dtype == c.q.dtype and lse.dtype == lse_dtype and lse.shape == (hq, plan.local_q)
+    assert out.is_contiguous() and lse.is_contiguous()
     got = (out, lse, *torch.autograd.grad(loss(out, lse, plan.shard_q(dout), plan.shard_q(dlse.T).T), leaves))
     select = [plan.shard_q, lambda t: plan.shard_q(t.T).T, plan.shard_q, plan.shard_k, plan.shard_k]
     for name, g, e, p, sel in zip(["out", "lse", "dq", "dk", "dv"], got, expected, plain, select, strict=True):
@@ -473,6 +474,7 @@ def case_joint_matches_single_process(group: Any, *, mesh: str, dtype: str = "fl
     out, joint_out, lse, joint_lse = joint_varlen_attention(
         *image, *text, offsets(TEXT), plan, ulysses_group=uly, ring_group=ring, softcap=softcap, return_lse=True
     )
+    assert all(t.is_contiguous() for t in (out, joint_out, lse, joint_lse))
     img_dout, img_dlse = plan.shard_q(dout[image_rows]), plan.shard_q(dlse[:, image_rows].T).T
     loss = (out.double() * img_dout).sum() + (lse.double() * img_dlse).sum()
     loss = loss + share * (
@@ -545,6 +547,60 @@ def case_mesh_errors_and_one_bad_rank(group: Any) -> None:
         joint_varlen_attention(q, k, v, text, text[:, :2], text[:, :2], [0, 5], plan, mesh=mesh)
     with pytest.raises(ValueError, match=r"joint_k must have the heads, head dim, dtype and device of k"):
         joint_varlen_attention(q, k, v, text, text, text, [0] * len(LENS_Q) + [5], plan, mesh=mesh)
+
+
+def case_groups_that_form_no_mesh(group: Any) -> None:
+    """Ulysses groups {0, 3} and {1, 2} across rings {0, 1} and {2, 3}: every rank's plan fits its own
+    (Ulysses rank, ring rank), but the groups form no mesh. Every rank raises before any data moves."""
+    rank = dist.get_rank()
+    uly = GROUP_OBJECTS["pair03" if rank in (0, 3) else "pair12"]
+    ring = GROUP_OBJECTS["pair01" if rank in (0, 1) else "pair23"]
+    plan_rank = dist.get_rank(ring) * 2 + dist.get_rank(uly)
+    c = make_case(LENS_Q, LENS_K, hq=4, hkv=2, d=16, seed=2)
+    plan = ShardPlan.build(c.cu_q, c.cu_k, world_size=4, rank=plan_rank, ulysses_degree=2)
+    q, k, v = plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)
+    with pytest.raises(ValueError, match=r"ranks disagree on the ring rank \(the groups must form a mesh"):
+        usp_varlen_attention(q, k, v, plan, ulysses_group=uly, ring_group=ring)
+
+
+def case_outputs_used_on_some_ranks(group: Any, *, method: str) -> None:
+    """Rank 0's loss leaves out an output that the other ranks' losses use (the LSE; for joint attention,
+    joint_out): every rank's backward still joins the same exchanges. For the LSE, the gradients are those
+    of the sum of the ranks' losses."""
+    me = dist.get_rank()
+    if method == "joint":
+        uly, ring, _, _ = _mesh("u2r2")
+        c = make_case(IMAGE, IMAGE, hq=4, hkv=2, d=16, seed=9)
+        plan = _mesh_plan("u2r2", IMAGE, IMAGE, "zigzag")
+        text = [x[: sum(TEXT)].detach().requires_grad_() for x in (c.q, c.k, c.v)]
+        image = [plan.shard_q(x).detach().requires_grad_() for x in (c.q, c.k, c.v)]
+        out, joint_out = joint_varlen_attention(*image, *text, offsets(TEXT), plan, ulysses_group=uly, ring_group=ring)
+        loss = out.sum() if me == 0 else out.sum() + joint_out.sum()
+        grads = torch.autograd.grad(loss, [*image, *text])
+        assert all(bool(torch.isfinite(g).all()) for g in grads)
+        return
+    c = make_case(LENS_Q, LENS_K, hq=4, hkv=2, d=16, dtype=torch.float64, seed=6)
+    if method == "usp":
+        plan = _mesh_plan("u2r2", LENS_Q, LENS_K, "zigzag")
+        uly, ring, _, _ = _mesh("u2r2")
+        attend = functools.partial(usp_varlen_attention, ulysses_group=uly, ring_group=ring)
+    else:
+        plan = _plan(group, LENS_Q, LENS_K, "zigzag")
+        attend = functools.partial(METHODS[method], group=group)
+    others = torch.zeros(c.q.shape[0], dtype=torch.float64)  # the rows of the ranks whose losses use the LSE
+    for r in range(1, plan.world_size):
+        rows = ShardPlan.build(c.cu_q, c.cu_k, world_size=plan.world_size, rank=r, ulysses_degree=plan.ulysses_degree)
+        others[rows.shard_q(torch.arange(c.q.shape[0]))] = 1.0
+    xs = [t.detach().clone().requires_grad_() for t in (c.q, c.k, c.v)]
+    o, lse = attention_naive(*xs, c.cu_q, c.cu_k, causal=True)
+    expected = torch.autograd.grad(o.sum() + (lse * others).sum(), xs)
+    leaves = [plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)]
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out, lse = attend(*leaves, plan, causal=True, return_lse=True)
+    loss = out.sum() if plan.rank == 0 else out.sum() + lse.sum()
+    grads = torch.autograd.grad(loss, leaves)
+    for name, g, e, sel in zip("qkv", grads, expected, [plan.shard_q, plan.shard_k, plan.shard_k], strict=True):
+        torch.testing.assert_close(g, sel(e), rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"rank {me} d{n}: {m}")
 
 
 def case_flux_matches_single_process(group: Any, *, mesh: str, masked: bool) -> None:
@@ -698,6 +754,8 @@ CASES = {
     "disagree": case_ranks_disagree,
     "skips_hidden_blocks": case_ring_skips_hidden_blocks,
     "benchmark_rejects": case_benchmark_rejects_a_wrong_result,
+    "no_mesh": case_groups_that_form_no_mesh,
+    "some_ranks": case_outputs_used_on_some_ranks,
 }
 
 
@@ -821,6 +879,20 @@ def test_joint_attention_dtypes(cluster, dtype):
 
 def test_mesh_errors_and_one_bad_rank(cluster):
     cluster.run("mesh_errors", "ws4")
+
+
+def test_groups_that_form_no_mesh_raise_on_every_rank(cluster):
+    cluster.run("no_mesh", "ws4")
+
+
+@pytest.mark.parametrize(("method", "group"), [("ulysses", "ws2"), ("usp", "ws4"), ("joint", "ws4")])
+def test_an_output_used_on_some_ranks_only(cluster, method, group):
+    cluster.run("some_ranks", group, method=method)
+
+
+def test_ring_output_over_one_sequence_is_contiguous(cluster):
+    """One sequence: the ring's jobs cover all local rows, where the merge's head-major strides showed."""
+    cluster.run("matches", "ws4", method="ring", balance="zigzag", mask="full", lens=([11], [11]))
 
 
 @pytest.mark.parametrize(("mesh", "masked"), [("u2r2", True), ("u2r1", False), ("u1r2", True)])

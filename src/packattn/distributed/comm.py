@@ -95,7 +95,7 @@ def check_plan(plan: object, ring: Ring, where: str) -> ShardPlan:
     return plan
 
 
-FINGERPRINT_SLOTS = 16  # fixed width, so that calls with different option sets still gather equal sizes
+FINGERPRINT_SLOTS = 24  # fixed width, so that calls with different option sets still gather equal sizes
 
 
 def _digest(value: object) -> int:
@@ -216,6 +216,28 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` to rank ``p``; receive ``recv[p]`` rows from each."""
     return _AllToAll.apply(x, send, recv, group)
+
+
+class _Joined(torch.autograd.Function):
+    """Contiguous copies of a call's outputs, in ``dtypes``, made by one autograd node."""
+
+    @staticmethod
+    def forward(ctx: Any, dtypes: tuple[torch.dtype, ...], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.dtypes = tuple(x.dtype for x in xs)
+        fresh = (torch.empty_like(x, dtype=d, memory_format=torch.contiguous_format) for x, d in zip(xs, dtypes))
+        return tuple(f.copy_(x) for f, x in zip(fresh, xs))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *(g.to(d) for g, d in zip(grads, ctx.dtypes)))
+
+
+def joined(xs: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs of a distributed call as fresh contiguous tensors of one autograd node: a backward that
+    reaches any of them runs the backward of all of them (zeros for those no loss used), so ranks whose
+    losses use different outputs (``out`` on one, ``out`` and ``lse`` on another) still meet in the same
+    collectives, in the same order."""
+    return _Joined.apply(dtypes, *xs)
 
 
 def gather_order(plan: ShardPlan, side: str, stride: int) -> torch.Tensor:

@@ -24,10 +24,10 @@ from ..api import check_call, varlen_attention
 from ..errors import InputTypeError
 from ..inputs import MaskSpec, check_tensors, compute_dtype, needs_grad
 from ..merge import merge_attention_states
-from .comm import Ring, attention_options, check_rows, collective_check, join_group, plan_items
+from .comm import Ring, attention_options, check_rows, collective_check, join_group, joined, plan_items
 from .plan import ShardPlan, offsets_on
 from .ring import check_ring_backend, ring_setup, run_ring
-from .ulysses import check_heads, exchange_heads, lse_to_heads, rows_to_heads, ulysses_attend
+from .ulysses import check_heads, exchange_heads, outputs_to_heads, ulysses_attend
 
 __all__ = ["joint_varlen_attention", "usp_varlen_attention"]
 
@@ -89,8 +89,11 @@ def mesh_check(uly: Ring, ring: Ring, where: str, device: torch.device, validate
     if any two ranks disagree."""
 
     def in_group() -> tuple[dict, tuple[dict, T]]:
+        # Groups that form a mesh: a Ulysses group's members share their ring rank, a ring's their Ulysses rank.
         items, result = validate()
-        return items, (items, result)
+        mesh = "the groups must form a mesh: rank = ring rank * ulysses_degree + Ulysses rank"
+        across = {**items, f"the Ulysses rank ({mesh})": uly.rank}
+        return {**items, f"the ring rank ({mesh})": ring.rank}, (across, result)
 
     return collective_check(
         ring, where, device, lambda: collective_check(uly, where, device, in_group, "Ulysses group"), "ring group"
@@ -123,8 +126,7 @@ def _attend(
     check_ring_backend(setup, q, k, v, mask, grad)
     out, lse = run_ring(setup, q, k, v, grad)
     if uly.size > 1:
-        out = rows_to_heads(out, ex_q, uly.rank, uly.group)
-        lse = lse_to_heads(lse, ex_q, uly.rank, uly.group) if return_lse else lse
+        return outputs_to_heads(out, lse if return_lse else None, ex_q, uly.rank, uly.group)
     return out, lse
 
 
@@ -360,7 +362,8 @@ def joint_varlen_attention(
     rank holds follow the rule of data-parallel replicas: the gradients reaching ``joint_out`` on the ranks
     are summed (as if each rank's loss were part of one total), and ``joint_q``/``joint_k``/``joint_v``
     get this rank's share, which summed over the ranks (an all-reduce, like the gradients of replicated
-    parameters) is the single-process gradient.
+    parameters) is the single-process gradient. The outputs come from one autograd node: a rank whose
+    loss leaves out ``joint_out`` (or ``out``) contributes zeros and still joins the backward's exchanges.
 
     Args:
         q, k, v, plan, mesh, ulysses_group, ring_group, softmax_scale, softcap, backend: as in
@@ -404,5 +407,6 @@ def joint_varlen_attention(
     out, lse = merge_attention_states(o_ss.to(cdt), cast(torch.Tensor, l_ss), o_sj.to(cdt), l_sj)
     o_js, l_js = _merge_over_ranks(o_js, l_js, (uly, ring))
     joint_out, joint_lse = merge_attention_states(o_js, l_js, o_jj.to(cdt), l_jj)
-    out, joint_out = out.to(q.dtype), joint_out.to(q.dtype)
-    return (out, joint_out, lse, joint_lse) if return_lse else (out, joint_out)
+    if return_lse:
+        return joined((out, joint_out, lse, joint_lse), (q.dtype, q.dtype, cdt, cdt))
+    return joined((out, joint_out), (q.dtype, q.dtype))

@@ -25,6 +25,7 @@ from .comm import (
     check_rows,
     collective_check,
     join_group,
+    joined,
     plan_items,
 )
 from .plan import Shard, ShardPlan, offsets_on
@@ -78,7 +79,7 @@ def rows_to_heads(y: torch.Tensor, ex: HeadExchange, member: int, group: Any) ->
     n, rows = len(ex.counts), ex.counts[member]
     got = all_to_all(y.index_select(0, ex.to_members), list(ex.counts), [rows] * n, group)
     h, dim = y.shape[1], y.shape[2]
-    return got.reshape(n, rows, h, dim).transpose(0, 1).reshape(rows, n * h, dim)
+    return got.reshape(n, rows, h, dim).transpose(0, 1).reshape(rows, n * h, dim).contiguous()
 
 
 def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +90,17 @@ def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Ten
     return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
-def lse_to_heads(lse: torch.Tensor, ex: HeadExchange, member: int, group: Any) -> torch.Tensor:
-    """The ``(h, target rows)`` LSE back as ``(n * h, own rows)``."""
-    return rows_to_heads(lse.transpose(0, 1)[..., None], ex, member, group)[..., 0].transpose(0, 1).contiguous()
+def outputs_to_heads(
+    out: torch.Tensor, lse: torch.Tensor | None, ex: HeadExchange, member: int, group: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(target rows, h, Dv)`` output and the ``(h, target rows)`` LSE (or None) back as
+    ``(own rows, n * h, Dv)`` and ``(n * h, own rows)``; both, with the LSE, from one autograd node."""
+    out = rows_to_heads(out, ex, member, group)
+    if lse is None:
+        return out, None
+    lse = rows_to_heads(lse.transpose(0, 1)[..., None], ex, member, group)[..., 0].transpose(0, 1)
+    out, lse = joined((out, lse), (out.dtype, lse.dtype))
+    return out, lse
 
 
 def check_heads(q: torch.Tensor, n: int, where: str, group_name: str, alternative: str) -> None:
@@ -234,6 +243,6 @@ def ulysses_attend(
     }
     if not return_lse:
         out = varlen_attention(qg, kg, vg, cu_q, cu_k, **options)
-        return rows_to_heads(out, ex_q, group.rank, group.group), None
+        return outputs_to_heads(out, None, ex_q, group.rank, group.group)
     out, lse = varlen_attention(qg, kg, vg, cu_q, cu_k, return_lse=True, **options)
-    return rows_to_heads(out, ex_q, group.rank, group.group), lse_to_heads(lse, ex_q, group.rank, group.group)
+    return outputs_to_heads(out, lse, ex_q, group.rank, group.group)
