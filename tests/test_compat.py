@@ -208,7 +208,7 @@ def test_flash_attn_refuses_what_it_cannot_honour(kwargs, message):
         ({"window_size": (2, 3, 4)}, TypeError, r"window_size must be a pair \(left, right\) of ints"),
         ({"window_size": torch.tensor([2.0, 3.0])}, TypeError, r"window_size must be a pair"),
         ({"softcap": "1.0"}, TypeError, r"softcap must be a float, got str"),
-        ({"softmax_scale": float("nan")}, ValueError, r"softmax_scale must be finite and > 0, got nan"),
+        ({"softmax_scale": float("inf")}, ValueError, r"softmax_scale must be a finite number, got inf"),
     ],
     ids=["dropout-type", "probs-type", "deterministic-type", "window-3", "window-float-tensor", "softcap", "scale"],
 )
@@ -299,6 +299,10 @@ def test_flash_attn_reads_softcap_window_and_numpy_scale_as_flash_attn_2_does():
     assert torch.equal(flash(case, causal=True, window_size=(-2, -5)), plain)
     assert torch.equal(flash(case, window_size=(-7, 2)), flash(case, window_size=(-1, 2)))
     assert torch.equal(flash(case, softmax_scale=np.float32(0.25)), flash(case, softmax_scale=0.25))
+    assert torch.equal(flash(case, softcap=np.float32(2.5)), flash(case, softcap=2.5))
+    assert torch.equal(flash(case, causal=True, softcap=float("nan")), plain)  # flash-attn caps only when > 0
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: softmax_scale must be a finite number, got nan"):
+        flash(case, softmax_scale=float("nan"))
 
 
 def test_flash_attn_offsets_are_validated_with_its_name():

@@ -559,7 +559,7 @@ def case_groups_that_form_no_mesh(group: Any) -> None:
     c = make_case(LENS_Q, LENS_K, hq=4, hkv=2, d=16, seed=2)
     plan = ShardPlan.build(c.cu_q, c.cu_k, world_size=4, rank=plan_rank, ulysses_degree=2)
     q, k, v = plan.shard_q(c.q), plan.shard_k(c.k), plan.shard_k(c.v)
-    with pytest.raises(ValueError, match=r"ranks disagree on the ring rank \(the groups must form a mesh"):
+    with pytest.raises(ValueError, match=r"ranks disagree on the ring rank \(a Ulysses group's members must share"):
         usp_varlen_attention(q, k, v, plan, ulysses_group=uly, ring_group=ring)
 
 

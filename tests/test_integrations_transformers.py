@@ -265,17 +265,55 @@ def test_plain_batch_compiles_whole_forward_and_backward() -> None:
 
 
 @pytest.mark.parametrize("padding", ["left_padded", "unpadded"])
-def test_generation_with_a_cache_matches_eager(padding: str) -> None:
-    """Decoding: one query per row against the cached keys (bottom-right causal), padded or not."""
-    eager, packed = pair(DECODERS["gemma2_window_softcap"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("model", ["gemma2_window_softcap", "llama_gqa"])
+def test_generation_with_a_cache_matches_eager(model: str, cache: str, padding: str) -> None:
+    """Decoding: one query per row against the cached keys (bottom-right causal), padded or not. A static
+    cache hands every slot to the layers, the unfilled ones zero: only the filled ones are keys."""
+    eager, packed = pair(DECODERS[model])
     seqs = sequences()
     if padding == "unpadded":
         seqs = [s[:4] for s in seqs if len(s) >= 4]
     ids, mask = padded(seqs, "left")
     options = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
-    runs = [m.generate(input_ids=ids, attention_mask=mask, pad_token_id=7, **options) for m in (eager, packed)]
+    runs = [
+        m.generate(input_ids=ids, attention_mask=mask, pad_token_id=7, cache_implementation=cache, **options)
+        for m in (eager, packed)
+    ]
     torch.testing.assert_close(torch.stack(runs[1].logits), torch.stack(runs[0].logits), **TOL)
     assert torch.equal(runs[1].sequences, runs[0].sequences)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_mask_wider_than_the_keys_is_read_as_transformers_reads_it(cache: str) -> None:
+    """A mask made for the whole cache up front (16 columns, the future ones 1): the keys' columns are those
+    from the cache's offset on, as in transformers' own masks. Prefill of a left-padded batch, then decoding."""
+    eager, packed = pair(DECODERS["mistral_window"])
+    ids, mask = padded(sequences(), "left")
+    wide = torch.cat([mask, torch.ones(mask.shape[0], 16 - mask.shape[1], dtype=mask.dtype)], 1)
+
+    def run(model: torch.nn.Module, widen: bool) -> torch.Tensor:
+        if cache == "static":
+            kv: Any = transformers.StaticCache(config=model.config, max_cache_len=16)
+        else:
+            kv = transformers.DynamicCache(config=model.config)
+        tokens, seen, pos = ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+        logits = []
+        for _ in range(4):
+            out = model(input_ids=tokens, attention_mask=wide if widen else seen, past_key_values=kv, position_ids=pos)
+            logits.append(out.logits[:, -1])
+            tokens, pos = out.logits[:, -1:].argmax(-1), pos[:, -1:] + 1
+            seen = torch.cat([seen, torch.ones_like(seen[:, :1])], 1)
+        return torch.stack(logits)
+
+    torch.testing.assert_close(run(packed, widen=True), run(eager, widen=False), **TOL)
+
+
+def test_a_static_cache_without_a_mask_attends_to_its_filled_slots() -> None:
+    eager, packed = pair(DECODERS["llama_gqa"])
+    ids = sequences()[0][None]
+    cache = transformers.StaticCache(config=DECODERS["llama_gqa"], max_cache_len=16)
+    torch.testing.assert_close(packed(input_ids=ids, past_key_values=cache).logits, eager(input_ids=ids).logits, **TOL)
 
 
 SEQ2SEQ = transformers.BartConfig(
@@ -308,25 +346,6 @@ def test_cross_attention_over_a_padded_encoder_matches_eager(decoder_length: int
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **TOL)
     real = enc_mask.bool()
     torch.testing.assert_close(got.encoder_last_hidden_state[real], want.encoder_last_hidden_state[real], **TOL)
-
-
-@pytest.mark.parametrize("padding", ["left_padded", "unpadded"])
-def test_generation_with_a_static_cache_matches_eager(padding: str) -> None:
-    """A static cache hands every slot to the layers, the unfilled ones zero: only the filled ones are keys."""
-    eager, packed = pair(DECODERS["llama_gqa"])
-    seqs = sequences()
-    if padding == "unpadded":
-        seqs = [s[:4] for s in seqs if len(s) >= 4]
-    ids, mask = padded(seqs, "left")
-    options = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
-    runs = [
-        m.generate(input_ids=ids, attention_mask=mask, pad_token_id=7, cache_implementation="static", **options)
-        for m in (eager, packed)
-    ]
-    torch.testing.assert_close(torch.stack(runs[1].logits), torch.stack(runs[0].logits), **TOL)
-    cache = transformers.StaticCache(config=DECODERS["llama_gqa"], max_cache_len=16)
-    got = packed(input_ids=seqs[0][None], past_key_values=cache).logits  # no mask: the fill level alone
-    torch.testing.assert_close(got, eager(input_ids=seqs[0][None]).logits, **TOL)
 
 
 def test_a_models_own_mask_overlays_follow_the_layers_arguments() -> None:

@@ -13,9 +13,9 @@ soft-capping) and return conventions. Where packattn differs, it says so instead
   unbounded (-1), as is any negative bound; ``window_size`` may be a tuple, a list or a 2-element integer
   tensor. (packattn's own ``varlen_attention`` refuses ``causal=True`` with a right bound > 0 and bounds
   below -1 instead.)
-* ``softmax_scale`` and ``softcap`` are read as flash-attn 2 reads them: any real number, NumPy scalars
-  included; a scale of 0 or below is used as given (0: every visible key weighs the same), a cap of 0 or
-  below is off. (``varlen_attention`` takes a scale > 0 and a cap >= 0.)
+* ``softmax_scale`` and ``softcap`` are read as flash-attn 2 reads them: real numbers, NumPy scalars
+  included; a finite scale of 0 or below is used as given (0: every visible key weighs the same), a cap of
+  0 or below, or NaN, is off. (``varlen_attention`` takes a scale > 0 and a cap >= 0.)
 * Rows that see no key have LSE **-inf**, where flash-attn 2 returns +inf: -inf is the log of an empty sum,
   the value that merges of partial results (ring attention, split-KV) need to stay NaN-free, and what
   FlashAttention-3's kernel and FlashInfer return. Code that tests ``lse.isinf()`` works with both; code
@@ -27,6 +27,7 @@ soft-capping) and return conventions. Where packattn differs, it says so instead
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -69,15 +70,17 @@ def _window(window_size: object, causal: bool, max_seqlen_k: int) -> tuple[objec
 
 
 def _scale_and_cap(q: torch.Tensor, softmax_scale: object, softcap: object) -> tuple[torch.Tensor, object, object]:
-    """flash-attn 2's reading of the scale and the soft cap: any real number (a NumPy scalar too), a scale of 0
-    or below used as given, a cap of 0 or below off. packattn's own API takes a scale > 0: a negative scale
-    becomes -q and -scale (the same scores, exactly), a zero scale zero scores (q * 0 keeps NaN and inf
-    propagating as flash-attn's product would)."""
-    if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap <= 0:
-        softcap = 0.0
+    """flash-attn 2's reading of the scale and the soft cap: any real number (a NumPy scalar too), a finite
+    scale of 0 or below used as given, a cap of 0 or below (or NaN) off. packattn's own API takes a scale
+    > 0: a negative scale becomes -q and -scale (the same scores, exactly), a zero scale zero scores (q * 0
+    keeps NaN and inf propagating as flash-attn's product would)."""
+    if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool):
+        softcap = float(softcap) if float(softcap) > 0 else 0.0  # NaN too: flash-attn caps only when > 0
     if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
         return q, softmax_scale, softcap  # None, or a wrong type that run_attention names
     scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{WHERE}: softmax_scale must be a finite number, got {scale}")
     if scale < 0:
         return -q, -scale, softcap
     if scale == 0:

@@ -91,9 +91,9 @@ def mesh_check(uly: Ring, ring: Ring, where: str, device: torch.device, validate
     def in_group() -> tuple[dict, tuple[dict, T]]:
         # Groups that form a mesh: a Ulysses group's members share their ring rank, a ring's their Ulysses rank.
         items, result = validate()
-        mesh = "the groups must form a mesh: rank = ring rank * ulysses_degree + Ulysses rank"
-        across = {**items, f"the Ulysses rank ({mesh})": uly.rank}
-        return {**items, f"the ring rank ({mesh})": ring.rank}, (across, result)
+        mesh = "must share it: the groups must form a mesh"
+        across = {**items, f"the Ulysses rank (a ring's members {mesh})": uly.rank}
+        return {**items, f"the ring rank (a Ulysses group's members {mesh})": ring.rank}, (across, result)
 
     return collective_check(
         ring, where, device, lambda: collective_check(uly, where, device, in_group, "Ulysses group"), "ring group"

@@ -28,12 +28,12 @@ itself: window ``(W - 1, 0)`` for causal layers (the ``W`` most recent keys), ``
 bidirectional ones (ModernBERT passes its half-window + 1), as transformers' eager masks compute.
 ``softcap`` and ``scaling`` are passed on; GQA runs without repeating K/V. What packattn cannot compute
 exactly raises instead of being ignored: attention dropout, attention sinks (``s_aux``) and an additive
-``position_bias`` (T5) raise ``ValueError``; so do masks that no layer argument describes (Llama 4's
-chunked attention, bidirectional blocks of image tokens, sequences packed into the rows of a batch larger
-than 1), and a sliding window over a padding mask with gaps inside a row (the window would count packed
-tokens, not positions). A model's own mask functions are taken to say what its layers' ``is_causal`` and
-``sliding_window`` say; these are checked in eager calls (torch.compile cannot read them). A 4-D mask (a
-custom mask, or one built for another implementation) raises ``TypeError``.
+``position_bias`` (T5) raise ``ValueError``; so do masks that no layer argument describes (Llama 4's chunked
+attention, bidirectional blocks of image tokens, sequences that transformers finds packed into the rows of a
+batch larger than 1: without a cache or a mask), and a sliding window over a padding mask with gaps inside a
+row (the window would count packed tokens, not positions). A model's own mask functions are taken to say what
+its layers' ``is_causal`` and ``sliding_window`` say; these are checked in eager calls (torch.compile cannot
+read them). A 4-D mask (a custom mask, or one built for another implementation) raises ``TypeError``.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def mask_forward(
     as booleans, or None when nothing is padded. Causality, windows and packing are applied by packattn,
     from the layer's arguments and ``position_ids``.
 
-    In self-attention with a cache, keys past the last query's position are left out: a static cache passes
-    all its slots, the empty ones past that position. The mask is then narrower than the keys.
+    In a causal layer, keys past the last query's position are left out: a static cache passes all its
+    slots, the empty ones past that position. The mask is then narrower than the keys.
     Raises ``ValueError`` for a mask pattern packattn does not compute."""
     factories = set(_mask_factories(mask_function))
     refused = [f"{what} ({name})" for name, what in _REFUSED_MASKS.items() if name in factories]
@@ -93,16 +93,20 @@ def mask_forward(
             "(it computes causal, bidirectional and sliding-window attention over padded sequences, or sequences "
             "packed into batch 1); use another attn_implementation for this model"
         )
+    if torch.compiler.is_compiling():  # the factories cannot be read: cross-attention's mask is plain
+        causal = getattr(mask_function, "__name__", "") != "bidirectional_mask_function"
+    else:
+        causal = "causal_mask_function" in factories
     filled = kv_length
-    if kv_length > q_length and getattr(mask_function, "__name__", "") != "bidirectional_mask_function":
-        # Self-attention with a cache (cross-attention's mask is plain bidirectional): the keys up to the last
-        # query's position. A static cache's fill level is a tensor: a device read.
+    if kv_length > q_length and causal:
+        # The keys up to the last query's position (a static cache's fill level is a tensor: a device read).
         filled = min(kv_length, int(q_offset) - kv_offset + q_length)
     if attention_mask is None:
         if filled == kv_length:
             return None
         return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
-    attention_mask = attention_mask[:, -kv_length:][:, :filled].bool()
+    # The columns of the keys, as transformers' own masks read them (a narrower mask: padding on the right).
+    attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length][:, :filled].bool()
     if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None  # every token is real: the shape-only path, with no sync in the layers
     return attention_mask
