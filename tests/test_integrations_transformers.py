@@ -266,7 +266,7 @@ def test_plain_batch_compiles_whole_forward_and_backward() -> None:
 
 @pytest.mark.parametrize("padding", ["left_padded", "unpadded"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("model", ["gemma2_window_softcap", "llama_gqa"])
+@pytest.mark.parametrize("model", list(DECODERS))
 def test_generation_with_a_cache_matches_eager(model: str, cache: str, padding: str) -> None:
     """Decoding: one query per row against the cached keys (bottom-right causal), padded or not. A static
     cache hands every slot to the layers, the unfilled ones zero: only the filled ones are keys."""

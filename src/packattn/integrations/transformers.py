@@ -105,8 +105,11 @@ def mask_forward(
         if filled == kv_length:
             return None
         return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
-    # The columns of the keys, as transformers' own masks read them (a narrower mask: padding on the right).
-    attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length][:, :filled].bool()
+    # The keys' columns, as transformers' own masks read them (a narrower mask: padding on the right). A mask
+    # as wide as the keys is taken whole: generate may hand over the mask this function built before.
+    if attention_mask.shape[1] != kv_length:
+        attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length]
+    attention_mask = attention_mask[:, :filled].bool()
     if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None  # every token is real: the shape-only path, with no sync in the layers
     return attention_mask
