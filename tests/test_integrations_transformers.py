@@ -370,7 +370,7 @@ def test_a_models_own_mask_overlays_follow_the_layers_arguments() -> None:
 
 def test_refuses_masks_and_biases_it_does_not_compute() -> None:
     """Chunked attention, T5's additive position bias and a window over a mask with a gap inside a row would
-    be ignored or miscounted: each raises, naming what."""
+    be ignored or miscounted: each raises, naming what. Attention weights are not returned: a warning says so."""
     chunked = transformers.Llama4TextConfig(
         **DIMS,
         num_attention_heads=4,
@@ -396,6 +396,8 @@ def test_refuses_masks_and_biases_it_does_not_compute() -> None:
     with pytest.raises(ValueError, match="position_bias is not supported"):
         packed(input_ids=ids)
     _, packed = pair(DECODERS["mistral_window"])
+    with pytest.warns(UserWarning, match="output_attentions=True returns no attention weights"):
+        assert not packed(input_ids=ids, output_attentions=True).attentions
     gap = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1, 1]])
     with pytest.raises(ValueError, match="gaps inside a row"):
         packed(input_ids=ids, attention_mask=gap)

@@ -7,15 +7,18 @@ tensors into a packed batch, chosen in this order:
 
 1. ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=
    True)``): batch 1, one sequence per offset pair.
-2. A 2-D padding mask ``(batch, kv_len)`` (1 = token). In a causal layer the real tokens of each row form
-   one sequence and the output rows of padding are 0; with ``q_len < kv_len`` (decoding with a cache) the
-   queries are the last ``q_len`` positions of each row, as in flash-attention's varlen path. In a
-   bidirectional layer without a window (encoders, cross-attention) every query attends to its row's real
-   keys, as eager does; with a window, queries are taken as in a causal layer.
-   A static cache (``cache_implementation="static"``) hands over all its slots: the mask builder keeps only
-   the slots filled so far.
+2. A 2-D padding mask ``(batch, kv_len)`` (1 = token). In a causal layer the real tokens of each row form one
+   sequence and the output rows of padding are 0 (eager's depend on its masking: with left padding and labels
+   on the first real token, a loss counts the last padding row's logits, so mask that label too); with
+   ``q_len < kv_len`` (decoding with a cache) the queries are the last ``q_len`` positions of each row, as in
+   flash-attention's varlen path. In a bidirectional layer without a window (encoders, cross-attention) every
+   query attends to its row's real keys, as eager does; with a window, queries are taken as in a causal
+   layer. A static cache (``cache_implementation="static"``) hands over all its slots: the mask builder keeps
+   only the slots filled so far.
 3. Batch 1 with ``position_ids`` restarting (``DataCollatorWithFlattening``): a new sequence starts wherever a
-   position is not the previous one + 1 (transformers' own rule for packed masks).
+   position is not the previous one + 1 (transformers' own rule for packed masks). As in transformers'
+   flash-attention path, this holds with a cache and with an all-ones mask too, where eager and sdpa attend
+   across the sequences (they split them only without both).
 4. Otherwise every row is one sequence and the offsets come from the shapes alone: no device sync, and the
    model compiles with ``torch.compile(fullgraph=True)`` as far as the chosen packattn backend does.
 
@@ -39,6 +42,7 @@ read them). A 4-D mask (a custom mask, or one built for another implementation) 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,6 +161,8 @@ def attention_forward(
             f"{_WHERE}: attention dropout is not supported, got dropout={dropout} (module {type(module).__name__} "
             "in training mode); set the config's attention dropout to 0.0"
         )
+    if kwargs.get("output_attentions"):
+        warnings.warn(f"{_WHERE}: output_attentions=True returns no attention weights (as with sdpa)", stacklevel=2)
     for name, what in (("s_aux", "attention sinks (s_aux)"), ("position_bias", "an additive position_bias")):
         if kwargs.get(name) is not None:
             raise ValueError(f"{_WHERE}: {what} is not supported; use another attn_implementation")
@@ -185,7 +191,8 @@ def attention_forward(
         if windowed and memo(_has_gaps, mask):
             raise ValueError(
                 f"{_WHERE}: a sliding window over a padding mask with gaps inside a row is not supported: the "
-                "window would count the packed tokens instead of the positions; pad on the left or the right"
+                "window would count the packed tokens instead of the positions; pad on the left (generate appends "
+                "after right padding, which leaves a gap)"
             )
         # Every query attends to its row's real keys in a bidirectional layer without a window (encoders,
         # cross-attention) and in a layer with one query; otherwise the queries are the last lq positions of
