@@ -78,7 +78,7 @@ def test_merged_halves_equal_whole(seed, dtype, mask):
 
     ref_out, ref_lse = oracle(case.q, case.k, case.v, case.cu_q, case.cu_k, **MASKS[mask])
     pt_out, pt_lse = attention_naive(case.q, case.k, case.v, case.cu_q, case.cu_k, **MASKS[mask])
-    assert out.dtype == case.q.dtype
+    assert out.dtype == case.q.dtype and out.is_contiguous() and lse.is_contiguous()
     assert lse.dtype == (torch.float64 if case.q.dtype == torch.float64 else torch.float32)
     assert_close_to_oracle(out, ref_out, pt_out, name="out")
     assert_close_to_oracle(lse, ref_lse, pt_lse, name="lse", floor=1e-5 if lse.dtype == torch.float32 else None)

@@ -61,8 +61,10 @@ def merge_attention_states(
     lse = torch.logaddexp(la.masked_fill(empty, 0.0), lb.masked_fill(empty, 0.0)).masked_fill(empty, float("-inf"))
     # Subtract 0 where lse is infinite so the weights of empty rows are exp(-inf) = 0.
     ref = lse.masked_fill(torch.isinf(lse), 0.0)
-    wa = torch.exp(la - ref).transpose(0, 1)[..., None]
-    wb = torch.exp(lb - ref).transpose(0, 1)[..., None]
+    # The weights as (T, H, 1) in memory order, so that out is laid out as the outputs, contiguous (a transposed
+    # view would give it the LSE's head-major strides).
+    wa = torch.exp(la - ref).transpose(0, 1).contiguous()[..., None]
+    wb = torch.exp(lb - ref).transpose(0, 1).contiguous()[..., None]
     # A side with weight 0 contributes exactly 0, even if its output holds garbage (e.g. NaN); a NaN weight
     # (a NaN LSE: its softmax was undefined) makes the row NaN.
     zero = out_a.new_zeros((), dtype=cdt)
