@@ -179,8 +179,10 @@ class Model:
         """``version``: the torch_npu modelled. Before 2.8 the FA ops have no ``softmax_layout`` (passing it is
         a TypeError, as for any unknown keyword) and return softmax_max/sum in the default arrangement.
         ``cann``: what ``torch_npu.npu.utils.get_cann_version()`` answers ("" before CANN 8.1); it selects FIA's
-        TND limits, the oldest documented ones before 8.3, 8.3's from then on, and with ``split_fuse`` (newer
-        kernels) fp16, equal head dims up to 256 and grouped heads at every head dim."""
+        TND limits: none before 8.1 (FIA takes TND from 8.1 on), 8.1's documented ones (no band mode) before
+        8.3, 8.3's from then on, and with ``split_fuse`` (newer kernels) fp16, equal head dims up to 256 and
+        grouped heads at every head dim. FA's ``softmax_layout`` needs CANN 8.3's V4 var-len kernels: before
+        8.3 torch_npu raises for it."""
         self.version, self.cann, self.split_fuse = version, cann, split_fuse
         self.layout_keyword = tuple(int(x) for x in version.split(".")[:2]) >= (2, 8)
         self.schemas = load_schemas()
@@ -203,9 +205,13 @@ class Model:
     def get_cann_version(self, module: str = "CANN") -> str:
         return self.cann if module == "CANN" else ""
 
+    def _cann(self) -> tuple[int, int]:
+        return (int(self.cann.split(".")[0]), int(self.cann.split(".")[1])) if self.cann else (0, 0)
+
     def _fia_tnd_limits(self, op: str, q: torch.Tensor, n: int, nkv: int, dims: tuple[int, int, int]) -> bool:
         """FIA's TND limits on the modelled CANN; returns whether causal needs Lq < Lk (else Lq <= Lk)."""
-        cann = tuple(int(x) for x in self.cann.split(".")[:2]) if self.cann else (0, 0)
+        cann = self._cann()
+        _require(cann >= (8, 1), f"{op}: input_layout='TND' needs CANN 8.1 or later, got {self.cann or 'older'}")
         if self.split_fuse:
             _require(q.dtype in (torch.float16, torch.bfloat16), f"{op}: TND takes float16/bfloat16, got {q.dtype}")
             equal = dims[0] == dims[1] == dims[2] and dims[0] % 16 == 0 and dims[0] <= 256
@@ -246,7 +252,8 @@ class Model:
         _require(len(lens_q) == len(lens_k), f"{op}: both length lists give the batch size")
         _require(min(lens_q + lens_k) > 0, f"{op}: TND does not take empty sequences")
         mode = a["sparse_mode"]
-        left, right = _window(mode, a["atten_mask"], a["pre_tokens"], a["next_tokens"], (0, 3, 4))
+        modes = (0, 3, 4) if self._cann() >= (8, 3) else (0, 3)  # 8.1/8.2: "sparse=0 ... or sparse=3"
+        left, right = _window(mode, a["atten_mask"], a["pre_tokens"], a["next_tokens"], modes)
         if mode == 3 and causal_needs_fewer:
             _require(all(x < y for x, y in zip(lens_q, lens_k)), f"{op}: sparse_mode=3 needs Lq < Lk per sequence")
         if mode == 3:
@@ -275,6 +282,10 @@ class Model:
         lens_k = _lengths(a["actual_seq_kvlen"], k.shape[0], "actual_seq_kvlen", 1024)
         _require(len(lens_q) == len(lens_k), f"{op}: both length lists give the batch size")
         _require(a.get("softmax_layout", "") in ("", "TND"), f"{op}: softmax_layout must be '' or 'TND'")
+        _require(
+            a.get("softmax_layout", "") == "" or self._cann() >= (8, 3),
+            f"{op}: The param softmax_layout is not supported (needs CANN 8.3, got {self.cann or 'older'})",
+        )
         left, right = _window(a["sparse_mode"], a["atten_mask"], a["pre_tockens"], a["next_tockens"], (0, 3, 4))
         _check_rows(lens_q, lens_k, right, op)
         return lens_q, lens_k, (left, right)

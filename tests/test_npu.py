@@ -166,8 +166,8 @@ STACKS = {
 }
 # (case change, mask, lengths) -> which kernel runs on each stack above, in STACKS' order
 FIA_CASES = {
-    "d192_dv128": ({}, {}, "FIA FIA FIA FIA"),
-    "d192_dv192": ({"dv": 192}, {}, "FIA FIA FIA FIA"),
+    "d192_dv128": ({}, {}, "FA FIA FIA FIA"),
+    "d192_dv192": ({"dv": 192}, {}, "FA FIA FIA FIA"),
     "d128": ({"d": 128, "dv": 128}, {}, "FA FA FIA FIA"),
     "d64_causal": ({"d": 64, "dv": 64}, {"causal": True}, "FA FA FIA FIA"),
     "d96": ({"d": 96, "dv": 96}, {}, "FA FA FA FIA"),
@@ -178,9 +178,9 @@ FIA_CASES = {
     "fp16": ({"dtype": torch.float16}, {}, "FA FA FA FIA"),
     "fp16_d256_mqa": ({"dtype": torch.float16, "d": 256, "dv": 256, "hkv": 1}, {}, "FA FA FA FIA"),
     "fp32": ({"dtype": torch.float32}, {}, "FA FA FA FA"),
-    "causal_lq_lt_lk": ({}, {"causal": True}, "FIA FIA FIA FIA"),
+    "causal_lq_lt_lk": ({}, {"causal": True}, "FA FIA FIA FIA"),
     "causal_lq_eq_lk": ({}, {"causal": True, "lens_k": [5, 8]}, "FA FA FIA FIA"),
-    "window_dv128": ({}, {"window_size": (3, 1)}, "FIA FIA FIA FIA"),
+    "window_dv128": ({}, {"window_size": (3, 1)}, "FA FA FIA FIA"),
     "window_dv192": ({"dv": 192}, {"window_size": (3, 1)}, "FA FA FA FA"),
 }
 
@@ -211,9 +211,10 @@ def test_the_stack_is_probed_once(monkeypatch, stack):
     trials = [a for a in calls(model, FIA) if a["query"].shape == (3, 2, 256)]
     assert len(trials) == (1 if stack in ("cann_8_3", "split_fuse") else 0)  # only CANN 8.3+ may be split-fuse
     found = npu.stack("cpu")
-    assert found.cann == STACKS[stack]["cann"] and found.softmax_layout
-    expected = {"split_fuse": npu.FIA_SPLIT_FUSE, "cann_8_3": npu.FIA_CANN_8_3}.get(stack, npu.FIA_BEFORE_8_3)
-    assert found.fia is expected
+    assert found.cann == STACKS[stack]["cann"]
+    assert found.softmax_layout == (stack in ("cann_8_3", "split_fuse"))  # torch_npu 2.8 and CANN 8.3
+    expected = {"cann_unknown": npu.FIA_NONE, "cann_8_2": npu.FIA_CANN_8_1, "cann_8_3": npu.FIA_CANN_8_3}
+    assert found.fia is expected.get(stack, npu.FIA_SPLIT_FUSE)
 
 
 @model_only
@@ -386,6 +387,7 @@ def test_model_binds_calls_against_the_schema(ops):
 @pytest.mark.parametrize(
     ("stack", "change", "message"),
     [
+        ("cann_unknown", {}, "needs CANN 8.1 or later"),
         ("cann_8_3", {"dtype": torch.float16}, "bfloat16 only"),
         ("cann_8_2", {"d": 128}, "TND head dims"),
         ("cann_8_2", {"hkv": 2}, "equal query and key/value heads"),
@@ -406,11 +408,12 @@ def test_model_fia_limits_follow_the_cann_version(monkeypatch, stack, change, me
 
 
 @model_only
-@pytest.mark.parametrize("version", ["2.7.1", "2.8.0"])
-def test_softmax_layout_only_where_torch_npu_takes_it(monkeypatch, version):
-    """torch_npu before 2.8 has no softmax_layout: the adapter leaves it out and converts FA's default
-    arrangement per sequence, for the LSE of the forward and the softmax inputs of the grad op."""
-    model, module = npu_model.module(version)
+@pytest.mark.parametrize(("version", "cann"), [("2.7.1", "8.3.RC1"), ("2.8.0", "8.2.RC1"), ("2.8.0", "8.3.RC1")])
+def test_softmax_layout_only_where_torch_npu_and_cann_take_it(monkeypatch, version, cann):
+    """torch_npu before 2.8 has no softmax_layout, and raises for it before CANN 8.3: the adapter then leaves it
+    out and converts FA's default arrangement per sequence, for the LSE of the forward and the softmax inputs
+    of the grad op."""
+    model, module = npu_model.module(version, cann)
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     # Sequences of different lengths, so that a token-major reading of the default arrangement would mix them.
     case = make_case([7, 0, 12, 3], [9, 5, 12, 4], hq=4, hkv=2, d=32, dv=16, seed=6)
@@ -419,9 +422,10 @@ def test_softmax_layout_only_where_torch_npu_takes_it(monkeypatch, version):
     cu_q, cu_k = grad_case.tensors()
     out = packattn.varlen_attention(grad_case.q, grad_case.k, grad_case.v, cu_q, cu_k, causal=True, backend="npu")
     out.float().sum().backward()  # the grad op checks that softmax_max/sum match the forward's, per token
-    expected = {"softmax_layout": "TND"} if version >= "2.8" else {}
+    expected = {"softmax_layout": "TND"} if (version, cann) == ("2.8.0", "8.3.RC1") else {}
     for op in (FA, GRAD):
-        assert calls(model, op) and all(("softmax_layout" in a) == bool(expected) for a in calls(model, op))
+        assert calls(model, op)
+        assert all((a.get("softmax_layout", "") == "TND") == bool(expected) for a in calls(model, op))
 
 
 @model_only
@@ -434,7 +438,36 @@ def test_fia_band_mode_only_for_value_head_dims_64_and_128(ops):
 
 
 @model_only
-@pytest.mark.parametrize("stack", [{"version": "2.7.1", "cann": ""}, {"version": "2.8.0"}, STACKS["split_fuse"]])
+def test_model_rejects_band_mode_in_fia_before_cann_8_3(monkeypatch):
+    """CANN 8.1/8.2's FIA takes TND with sparse_mode 0 (no mask) or 3 only."""
+    model = _install(monkeypatch, **STACKS["cann_8_2"])
+    q, k, v = (torch.randn(7, 8, n, dtype=torch.bfloat16) for n in (192, 192, 128))
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    call = {"num_heads": 8, "num_key_value_heads": 8, "scale": 0.1, "input_layout": "TND", "atten_mask": mask}
+    with pytest.raises(npu_model.ModelError, match=r"sparse_mode=4 is not supported"):
+        model.npu_fused_infer_attention_score(
+            q,
+            k,
+            v,
+            actual_seq_lengths=[7],
+            actual_seq_lengths_kv=[7],
+            sparse_mode=4,
+            pre_tokens=3,
+            next_tokens=0,
+            **call,
+        )
+
+
+@model_only
+@pytest.mark.parametrize(
+    "stack",
+    [
+        {"version": "2.7.1", "cann": ""},
+        {"version": "2.8.0", "cann": "8.2.RC1"},
+        {"version": "2.8.0"},
+        STACKS["split_fuse"],
+    ],
+)
 def test_info_prints_what_was_found(monkeypatch, capsys, stack):
     _install(monkeypatch, **stack)
     from packattn import cli
@@ -442,7 +475,8 @@ def test_info_prints_what_was_found(monkeypatch, capsys, stack):
     cli.main(["info"])
     text = capsys.readouterr().out
     version = stack.get("version", "2.8.0")
-    layout = "softmax_layout='TND'" if version == "2.8.0" else "default softmax layout, converted per sequence"
+    with_keyword = version == "2.8.0" and stack.get("cann") != "8.2.RC1"
+    layout = "softmax_layout='TND'" if with_keyword else "default softmax layout, converted per sequence"
     found = npu.stack("cpu")
     cann = f"CANN {found.cann}" if found.cann else "CANN of unknown version"
     assert f"torch_npu {version}, {cann}, {found.fia.name}: FIA for inference in {found.fia.summary}" in text, text

@@ -7,22 +7,28 @@ Two documented kernels run a packed batch in one call each:
   (``torch_npu.npu.utils.get_cann_version``) and, from CANN 8.3 on, one trial call of the newer split-fuse
   kernels (fp16, grouped heads, head dim 256), checked against a plain computation:
 
-  - before CANN 8.3, or of unknown version: bfloat16, Q/K head dim 192 with V head dim 128 or 192, equal
-    query and key/value heads in {8, 16, 32, 64, 128}, causal only where every sequence has fewer queries
-    than keys;
+  - before CANN 8.1, or of unknown version (``get_cann_version`` answers "" before 8.1): none, FIA takes
+    the TND layout from CANN 8.1 on;
+  - CANN 8.1 and 8.2: bfloat16, Q/K head dim 192 with V head dim 128 or 192, equal query and key/value
+    heads in {8, 16, 32, 64, 128}, no mask or causal (``sparse_mode`` 0 or 3, no band mode), causal only
+    where every sequence has fewer queries than keys;
   - CANN 8.3: bfloat16, head dims (64, 64), (128, 128) or 192 with V 128/192, up to 128 query heads,
     grouped heads (at most 64 per KV head) except with V head dim 192, causal where no sequence has more
-    queries than keys;
+    queries than keys, windows (band mode) only with V head dim 64 or 128. The documentation of 8.3 lists
+    head dims 128 and 192 and causal with fewer queries than keys; the kernels' tiling checks
+    (``prompt_flash_attention_tiling.cpp`` in CANN's ops-transformer) also take head dim 64 and as many
+    queries as keys, the common causal prefill;
   - split-fuse kernels: as 8.3, and float16, equal head dims 16..256 (multiples of 16), grouped heads at
     every head dim.
 
-  Always: at most 65536 tokens and 4096 sequences per call, windows (band mode) only with V head dim 64 or
-  128 (CANN 8.3 rejects the rest). Its LSE ``(T, N, 1)`` (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
+  Always: at most 65536 tokens and 4096 sequences per call. Its LSE ``(T, N, 1)``
+  (``softmax_lse_flag=True``) becomes ``(Hq, Tq)``.
 * ``torch_npu.npu_fusion_attention`` (FA) for everything else it takes, and for inputs that require grad:
   fp16/bf16/fp32, ``D <= 768`` with ``Dv <= D``, up to 256 query heads (GQA/MQA by head ratio), at most
   1024 sequences and 1M tokens per call. Its LSE is ``softmax_max + log(softmax_sum)`` (both
   ``(T, N, 8)``, every lane equal), as torch_npu's own context-parallel attention derives it: with
-  ``softmax_layout="TND"`` (token-major) where torch_npu takes that keyword (2.8 on), else in the default
+  ``softmax_layout="TND"`` (token-major) where torch_npu takes that keyword (2.8 on) and CANN has the
+  var-len kernels that read it (8.3 on; before, torch_npu raises for it), else in the default
   arrangement (a block of ``N x S_b x 8`` per sequence), converted per sequence both ways. Its backward
   ``npu_fusion_attention_grad`` gets ``softmax_max = LSE`` and
   ``softmax_sum = 1``, which give the same probabilities ``exp(s - max) / sum``. The fused grad op has no
@@ -99,6 +105,7 @@ class FiaLimits:
     heads_q: frozenset[int]
     grouped_dims_v: frozenset[int]  # V head dims with which Hq != Hkv is taken
     causal_needs_fewer_queries: bool  # sparse_mode=3 only where Lq < Lk (else Lq <= Lk)
+    band: bool  # sparse_mode=4 (windows) is taken, with V head dim 64 or 128
     summary: str
 
     def takes(self, inp: AttentionInputs) -> bool:
@@ -112,14 +119,25 @@ class FiaLimits:
 
 FIA_MAX_GROUP = 64  # query heads per KV head
 _SPLIT_FUSE_DIMS = range(16, 257, 16)
-FIA_BEFORE_8_3 = FiaLimits(
-    "the oldest documented FIA limits",
+FIA_NONE = FiaLimits(
+    "no FIA in the TND layout (CANN before 8.1, or of unknown version)",
+    (),
+    frozenset(),
+    frozenset(),
+    frozenset(),
+    True,
+    False,
+    "no case",
+)
+FIA_CANN_8_1 = FiaLimits(
+    "CANN 8.1/8.2's FIA limits",
     (torch.bfloat16,),
     frozenset({(192, 128), (192, 192)}),
     frozenset({8, 16, 32, 64, 128}),
     frozenset(),
     True,
-    "bf16, D=192 (Dv 128/192), equal heads 8-128, causal where Lq < Lk",
+    False,
+    "bf16, D=192 (Dv 128/192), equal heads 8-128, no mask or causal where Lq < Lk, no windows",
 )
 FIA_CANN_8_3 = FiaLimits(
     "CANN 8.3's FIA limits",
@@ -128,7 +146,8 @@ FIA_CANN_8_3 = FiaLimits(
     frozenset(range(1, 129)),
     frozenset({64, 128}),
     False,
-    "bf16, D=Dv in {64, 128} or D=192 (Dv 128/192), GQA except Dv=192, causal where Lq <= Lk",
+    True,
+    "bf16, D=Dv in {64, 128} or D=192 (Dv 128/192), GQA except Dv=192, causal where Lq <= Lk, windows with Dv 64/128",
 )
 FIA_SPLIT_FUSE = FiaLimits(
     "split-fuse FIA kernels (trial call passed)",
@@ -137,7 +156,9 @@ FIA_SPLIT_FUSE = FiaLimits(
     frozenset(range(1, 129)),
     frozenset(_SPLIT_FUSE_DIMS),
     False,
-    "fp16/bf16, D=Dv in 16..256 (multiples of 16) or D=192 (Dv 128), GQA, causal where Lq <= Lk",
+    True,
+    "fp16/bf16, D=Dv in 16..256 (multiples of 16) or D=192 (Dv 128), GQA, causal where Lq <= Lk, "
+    "windows with Dv 64/128",
 )
 
 
@@ -147,7 +168,7 @@ class Stack:
 
     torch_npu: str
     cann: str  # "" where torch_npu cannot tell (CANN before 8.1 answers "")
-    softmax_layout: bool  # FA and its grad take ``softmax_layout`` (torch_npu 2.8 on)
+    softmax_layout: bool  # FA and its grad take ``softmax_layout`` (torch_npu 2.8 on, with CANN 8.3 on)
     fia: FiaLimits
 
 
@@ -185,10 +206,11 @@ def _split_fuse_trial(ops: Any, device_type: str) -> bool:
 @functools.lru_cache(maxsize=8)
 def _probe(ops: Any, device_type: str) -> Stack:
     version, cann = str(getattr(ops, "__version__", "")), _cann_version(ops)
-    fia = FIA_BEFORE_8_3
+    fia = FIA_NONE if _version(cann) < (8, 1) else FIA_CANN_8_1
     if _version(cann) >= (8, 3):
         fia = FIA_SPLIT_FUSE if _split_fuse_trial(ops, device_type) else FIA_CANN_8_3
-    return Stack(version, cann, _version(version) >= (2, 8), fia)
+    # The keyword came with torch_npu 2.8; torch_npu raises for it where CANN lacks the V4 var-len kernels.
+    return Stack(version, cann, _version(version) >= (2, 8) and _version(cann) >= (8, 3), fia)
 
 
 def stack(device_type: str = "npu") -> Stack:
@@ -323,7 +345,7 @@ def _fia_fits(inp: AttentionInputs, seqs: list[_Seq], sparse: _Sparse) -> bool:
     limits = stack(inp.q.device.type).fia
     if not limits.takes(inp) or any(max(s.qe - s.qs, s.ke - s.ks) > FIA_MAX_TOKENS for s in seqs):
         return False
-    if sparse.mode == 4 and inp.head_dim_v not in (64, 128):  # CANN 8.3: band mode only for Dv 64/128
+    if sparse.mode == 4 and not (limits.band and inp.head_dim_v in (64, 128)):
         return False
     if sparse.mode == 3 and limits.causal_needs_fewer_queries:
         return all(s.qe - s.qs < s.ke - s.ks for s in seqs)
@@ -465,7 +487,7 @@ class Npu(Backend):
         stats = "softmax_layout='TND'" if found.softmax_layout else "default softmax layout, converted per sequence"
         return (
             f"torch_npu {found.torch_npu or '(no version)'}, {cann}, {found.fia.name}: "
-            f"FIA for inference in {found.fia.summary}, windows with Dv 64/128; FA ({stats}) for the rest and training"
+            f"FIA for inference in {found.fia.summary}; FA ({stats}) for the rest and training"
         )
 
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
