@@ -3,8 +3,10 @@
 Neither kernel runs without a CUDA GPU. These tests install, for the test only, an interface model of each
 (not the library): a function with the library's signature that checks what flash-attention-2-style kernels
 require of their arguments (int32 contiguous offsets on the tensors' device, ``max_seqlen`` covering every
-length, fp16/bf16, ``D == Dv <= 256``, unit last-dim stride), computes with the float64 oracle and answers in the
-library's conventions (LSE ``(Hq, Tq)`` float32, **+inf** for rows that see no key). What is tested is the
+length, fp16/bf16, ``D == Dv <= 256`` a multiple of 8 (flash-attn's Python function pads, ``varlen_attn`` does
+not), unit last-dim stride and 16-byte aligned rows), reads the window as their ``mha_varlen_fwd`` does, computes
+with the float64 oracle and answers in the library's conventions (LSE ``(Hq, Tq)`` float32, **+inf** for rows that
+see no key). What is tested is the
 adapters' translation: offsets, maxima, options, the LSE convention, refusals and the exact backward.
 With ``PACKATTN_TEST_DEVICE=cuda`` on a GPU machine the ordinary backend tests run the real kernels.
 """
@@ -24,20 +26,40 @@ from torch.nn.attention import varlen as torch_varlen_module
 
 import packattn
 from packattn import dispatch
-from packattn.backends import flash_attn, torch_varlen
+from packattn.backends import fa2_convention, flash_attn, torch_varlen
 from packattn.compat.flash_attn import flash_attn_varlen_func
 from packattn.testing import oracle
 
 from .helpers import assert_matches_oracle, case_inputs, check_backward, make_case, point_at
 
 CALLS: list[dict[str, object]] = []
+FIND_FLASH_ATTN_BACKWARD = flash_attn._varlen_backward  # the fixture below replaces it
+
+
+def kernel_window(left, right, max_k):
+    """The window flash-attn 2's ``mha_varlen_fwd`` applies: bounds ``>= max_seqlen_k`` dropped, then a window
+    bounded on one side only gets ``max_seqlen_k`` on the other."""
+    left, right = (-1 if b >= max_k else b for b in (left, right))
+    if left < 0 <= right:
+        left = max_k
+    if right < 0 <= left:
+        right = max_k
+    return left, right
+
+
+def _loadable(*tensors):
+    """The kernels' 16-byte vector loads: unit last stride, aligned base and row strides."""
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in tensors
+    )
 
 
 def _model(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window, softcap=0.0):
     """The interface both kernels share, computed with the float64 oracle."""
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
     assert q.shape[2] == k.shape[2] == v.shape[2] <= 256
-    assert all(t.stride(-1) == 1 for t in (q, k, v)), "last dim must be contiguous"
+    assert q.shape[2] % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!"
+    assert _loadable(q, k, v), "last dim contiguous, rows 16-byte aligned"
     for cu, t in ((cu_q, q), (cu_k, k)):
         assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device and cu.dim() == 1
         assert int(cu[-1]) == t.shape[0]
@@ -46,7 +68,8 @@ def _model(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window, softcap=0.0):
     assert max_q == max(b - a for a, b in itertools.pairwise(host_q)), "max_seqlen_q must be the longest query side"
     assert max_k == max(b - a for a, b in itertools.pairwise(host_k)), "max_seqlen_k must be the longest key side"
     CALLS.append({"max": (max_q, max_k), "window": tuple(window), "scale": scale, "softcap": softcap})
-    out, lse = oracle(q, k, v, host_q, host_k, softmax_scale=scale, window_size=tuple(window), softcap=softcap)
+    window = kernel_window(*window, max_k)
+    out, lse = oracle(q, k, v, host_q, host_k, softmax_scale=scale, window_size=window, softcap=softcap)
     return out.to(q.dtype), lse.float().masked_fill(torch.isneginf(lse), float("inf"))  # FA2: +inf
 
 
@@ -56,11 +79,14 @@ def fake_flash_attn_varlen_func(
     return_attn_probs=False, block_table=None,
 ):  # fmt: skip
     assert dropout_p == 0.0 and alibi_slopes is None and block_table is None
+    d, pad = q.shape[2], -q.shape[2] % 8  # its Python wrapper pads the head dim (2.7+)
+    q, k, v = (torch.nn.functional.pad(t, (0, pad)) if pad else t for t in (q, k, v))
     left, right = window_size
     out, lse = _model(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         scale=softmax_scale, window=(left, 0 if causal else right), softcap=softcap,
     )  # fmt: skip
+    out = out[..., :d]
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -77,7 +103,7 @@ def fake_varlen_attn(
 def _backward_model(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window, softcap=0.0):
     """The backward interface both kernels share: the forward's tensors and LSE in their convention (+inf for
     rows that see no key), gradients of ``out`` computed with the float64 oracle."""
-    assert all(t.dtype == q.dtype and t.stride(-1) == 1 for t in (dout, k, v, out)), "dtypes / last-dim strides"
+    assert all(t.dtype == q.dtype for t in (dout, k, v, out)) and _loadable(dout, q, k, v, out), "dtypes / layouts"
     assert dout.shape == out.shape == (q.shape[0], q.shape[1], v.shape[2])
     host_q, host_k = cu_q.tolist(), cu_k.tolist()
     assert cu_q.dtype == cu_k.dtype == torch.int32 and host_q[-1] == q.shape[0] and host_k[-1] == k.shape[0]
@@ -85,7 +111,7 @@ def _backward_model(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale,
         max(b - a for a, b in itertools.pairwise(host_q)),
         max(b - a for a, b in itertools.pairwise(host_k)),
     )
-    options = {"softmax_scale": scale, "window_size": tuple(window), "softcap": softcap}
+    options = {"softmax_scale": scale, "window_size": kernel_window(*window, max_k), "softcap": softcap}
     xs = [t.detach().double() for t in (q, k, v)]
     # torch.func, not torch.autograd: inside packattn's backward op autograd records nothing.
     (_, want_lse), vjp = torch.func.vjp(lambda *ts: oracle(*ts, host_q, host_k, **options), *xs)
@@ -105,7 +131,7 @@ def fake_flash_attn_varlen_backward(
     dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
     softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
 ):  # fmt: skip
-    """``torch.ops.flashattn._flash_attn_varlen_backward`` (flash_attn >= 2.7): fills dq, dk, dv."""
+    """``torch.ops.flash_attn._flash_attn_varlen_backward`` (flash_attn >= 2.7): fills dq, dk, dv."""
     assert q.shape[2] % 8 == 0 and v.shape[2] == q.shape[2] <= 256, "head_size should be a multiple of 8"
     assert all(g.shape == t.shape and g.dtype == t.dtype for g, t in ((dq, q), (dk, k), (dv, v)))
     assert dropout_p == 0.0 and alibi_slopes is None and rng_state is None and isinstance(deterministic, bool)
@@ -253,7 +279,7 @@ def test_a_library_without_the_backward_op_gets_packattns(models, monkeypatch):
     case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.float16, seed=11, requires_grad=True)
     inp = replace(case_inputs(case), grad=True)
     assert flash_attn.BACKEND.own_backward_reasons(inp) == [
-        "this flash_attn has no torch.ops.flashattn._flash_attn_varlen_backward (flash_attn >= 2.7)"
+        "this flash_attn has no torch.ops.flash_attn._flash_attn_varlen_backward of 2.7-2.8's parameters"
     ]
     out, _ = attention("flash_attn", case)
     got = torch.autograd.grad(out.double().sum(), (case.q, case.k, case.v))
@@ -330,3 +356,96 @@ def test_a_cuda_build_without_a_device_says_so_and_imports_nothing():
     assert res.returncode == 0, res.stderr
     no_device = f"torch {torch.__version__} finds no CUDA device (torch.cuda.is_available() is False)"
     assert res.stdout.splitlines() == [no_device, f"{no_device}; flash_attn is not installed", "False False"]
+
+
+# flash-attn 2.7-2.8 register the op with ``torch.library.custom_op(..., mutates_args=("dq", "dk", "dv"))``.
+BACKWARD_SCHEMA = (
+    "flash_attn::_flash_attn_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor softmax_lse, Tensor(a6!)? dq, Tensor(a7!)? dk, Tensor(a8!)? dv, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
+    "bool causal, SymInt window_size_left, SymInt window_size_right, float softcap, Tensor? alibi_slopes, "
+    "bool deterministic, Tensor? rng_state=None) -> Tensor"
+)
+
+
+class RegisteredOp:
+    """An op as ``torch.ops.<namespace>`` hands it out: callable, with its schema on ``.default``."""
+
+    def __init__(self, schema: str):
+        self.default = types.SimpleNamespace(_schema=torch._C.parse_schema(schema))
+
+    def __call__(self, *args):
+        return fake_flash_attn_varlen_backward(*args)
+
+
+def test_flash_attns_backward_op_is_found_in_its_namespace_and_checked(models, monkeypatch):
+    op = RegisteredOp(BACKWARD_SCHEMA)
+    monkeypatch.setattr(torch.ops, "flash_attn", types.SimpleNamespace(_flash_attn_varlen_backward=op))
+    assert FIND_FLASH_ATTN_BACKWARD() is op
+    monkeypatch.setattr(flash_attn, "_varlen_backward", FIND_FLASH_ATTN_BACKWARD)
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.float16, seed=12, requires_grad=True)
+    out, _ = attention("flash_attn", case, causal=True)
+    got = torch.autograd.grad(out.double().sum(), (case.q, case.k, case.v))
+    assert len(BACKWARD_CALLS) == 1
+    xs = [t.detach().double().requires_grad_() for t in (case.q, case.k, case.v)]
+    want = torch.autograd.grad(oracle(*xs, case.cu_q, case.cu_k, causal=True)[0].sum(), xs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=0.02, rtol=0.02)
+    # Another signature (a window_size pair, as flash-attn 2.6's Python function has) is not called.
+    other = RegisteredOp(
+        BACKWARD_SCHEMA.replace("SymInt window_size_left, SymInt window_size_right", "int[] window_size")
+    )
+    monkeypatch.setattr(torch.ops, "flash_attn", types.SimpleNamespace(_flash_attn_varlen_backward=other))
+    assert FIND_FLASH_ATTN_BACKWARD() is None
+    monkeypatch.setattr(torch.ops, "flash_attn", types.SimpleNamespace())
+    assert FIND_FLASH_ATTN_BACKWARD() is None
+
+
+# Windows the kernels read otherwise (a bound >= max_seqlen_k dropped, a left-only window bounded by
+# max_seqlen_k on the right) where a sequence has more than max_seqlen_k + 1 queries: declined.
+MISREAD_WINDOWS = [((-1, 3), "right=3 as unbounded"), ((1, -1), "right=-1 as 2"), ((0, 5), "right=5 as 2")]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("window", "reading"), MISREAD_WINDOWS)
+def test_windows_the_kernels_would_misread_are_declined(models, name, window, reading):
+    case = make_case([8, 2], [2, 1], hq=2, hkv=2, d=16, dtype=torch.float16, seed=13)
+    inp = case_inputs(case, window_size=window)
+    model_out, _ = _model(*case_inputs_for_kernel(inp), scale=inp.mask.scale, window=window)
+    want, _ = oracle(case.q, case.k, case.v, case.cu_q, case.cu_k, window_size=window)
+    assert not torch.allclose(model_out.double(), want, atol=1e-2), "the kernels' reading would be wrong here"
+    with pytest.raises(ValueError, match=f"reads window_size {re.escape(reading)} here \\(max_seqlen_k=2\\)"):
+        attention(name, case, window_size=window)
+    # With at most max_seqlen_k + 1 queries per sequence the same windows are read exactly, and run.
+    exact = make_case([3, 2], [2, 1], hq=2, hkv=2, d=16, dtype=torch.float16, seed=14)
+    out, lse = attention(name, exact, window_size=window)
+    assert_matches_oracle(exact, out, lse, window_size=window)
+
+
+def case_inputs_for_kernel(inp):
+    cu_q, cu_k = (c.to(torch.int32).contiguous() for c in (inp.layout.cu_q, inp.layout.cu_k))
+    return (*fa2_convention._kernel_layout(inp.q, inp.k, inp.v), cu_q, cu_k, inp.layout.max_q, inp.layout.max_k)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_head_dims_are_padded_and_rows_aligned_for_the_kernels(models, name):
+    """D = 12 reaches the kernels padded to 16; views whose rows are not 16-byte aligned are copied."""
+    check_backward(name, make_case(*LENS, hq=4, hkv=2, d=12, dtype=torch.float16, seed=15, requires_grad=True))
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.bfloat16, seed=16)
+    views = [torch.cat([t, t[..., :4]], dim=-1)[..., 2:18] for t in (case.q, case.k, case.v)]  # rows 4 bytes off
+    for t, view in zip((case.q, case.k, case.v), views, strict=True):
+        view.copy_(t)
+    assert not _loadable(*views)
+    cu_q, cu_k = case.tensors()
+    out, lse = packattn.varlen_attention(*views, cu_q, cu_k, backend=name, return_lse=True, causal=True)
+    assert_matches_oracle(case, out, lse, causal=True)
+
+
+def test_more_sequences_or_heads_than_a_grid_holds_are_declined(models):
+    many = make_case([1] * 65536, [1] * 65536, hq=1, hkv=1, d=8, dtype=torch.float16)
+    for backend in (flash_attn.BACKEND, torch_varlen.BACKEND):
+        assert any(
+            "at most 65535 of each, got 65536 sequences" in r for r in backend.special_reasons(case_inputs(many))
+        )
+        few = make_case([1] * 65535, [1] * 65535, hq=1, hkv=1, d=8, dtype=torch.float16)
+        assert not backend.special_reasons(case_inputs(few))

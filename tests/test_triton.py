@@ -188,3 +188,11 @@ def test_importing_packattn_does_not_import_triton():
     code = "import sys, packattn; packattn.info(); assert 'triton' not in sys.modules, 'triton imported'"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def test_more_query_heads_than_a_launch_grid_holds_are_declined():
+    many = case_inputs(make_case([1], [1], hq=65536, hkv=1, d=8))
+    assert "triton takes at most 65535 query heads, got 65536" in tri.BACKEND.supports(many)
+    assert not any(
+        "query heads" in r for r in tri.BACKEND.supports(case_inputs(make_case([1], [1], hq=65535, hkv=1, d=8)))
+    )

@@ -5,6 +5,13 @@ Both kernels take int32 offsets on the device with their maxima as Python ints, 
 no key, where packattn's contract has -inf (-inf is what keeps LSE merges NaN-free). This module declares
 those limits and converts at the edge.
 
+Both read windows as flash-attn 2's ``mha_varlen_fwd`` does: a bound ``>= max_seqlen_k`` is dropped, then a
+window bounded on the left only gets ``max_seqlen_k`` as its right bound. That is exact unless a sequence
+has more than ``max_seqlen_k + 1`` queries, where it hides keys from leading rows: such calls are declined.
+The kernels also take head dims that are multiples of 8 only (flash-attn's Python wrapper pads, PyTorch's
+``varlen_attn`` does not: padded here for both), launch one block row per sequence and head (at most 65535
+of each, CUDA's grid limit) and load 16-byte vectors (tensors whose rows are not 16-byte aligned are copied).
+
 Gradients: neither library differentiates its LSE (flash-attn 2 and ``torch.nn.attention.varlen`` both drop
 the LSE's gradient), but packattn's LSE is differentiable (merges and ring attention backpropagate through
 it). So the library's own backward kernel serves calls whose LSE has no gradient (almost every training
@@ -14,6 +21,7 @@ reference path, serves the others: all recompute from the LSE.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -54,7 +62,42 @@ class Fa2Convention(Backend):
         if inp.heads_q != inp.heads_kv and max(lens_q, default=0) == 1 and 0 in lens_q:
             # Its decode path reshapes GQA queries assuming one query per sequence (flash-attention#1537, #1619).
             why.append(f"{label} mishandles GQA batches of at most one query per sequence when some have none")
+        layout = inp.layout
+        if layout.batch > MAX_GRID or inp.heads_q > MAX_GRID:
+            why.append(f"{label} launches a block row per sequence and head, at most {MAX_GRID} of each, "
+                       f"got {layout.batch} sequences and {inp.heads_q} heads")  # fmt: skip
+        right, kernel_right = (
+            _right_bound(inp.mask.right),
+            _kernel_right_bound(inp.mask.left, inp.mask.right, layout.max_k),
+        )
+        longest = max((lq for lq, lk in zip(lens_q, layout.seqlens_k()) if lk), default=0)
+        if kernel_right != right and min(kernel_right, right) < longest - 1:
+            why.append(
+                f"{label} reads window_size right={inp.mask.right} as {_bound_text(kernel_right)} here "
+                f"(max_seqlen_k={layout.max_k}), which hides keys from rows of a sequence of {longest} queries"
+            )
         return why
+
+
+MAX_GRID = 65535  # CUDA's limit on a launch grid's y and z extents
+
+
+def _right_bound(right: int) -> float:
+    return math.inf if right < 0 else right
+
+
+def _kernel_right_bound(left: int, right: int, max_k: int) -> float:
+    """The right window bound flash-attn 2's varlen kernels apply: bounds ``>= max_seqlen_k`` are dropped, then
+    a window bounded on the left only gets ``max_seqlen_k`` on the right (a dropped left bound is exact: it
+    covers every key)."""
+    left, right = (-1 if b >= max_k else b for b in (left, right))
+    if right < 0 and left >= 0:
+        right = max_k
+    return _right_bound(right)
+
+
+def _bound_text(bound: float) -> str:
+    return "unbounded" if bound == math.inf else str(int(bound))
 
 
 def device_offsets(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -62,8 +105,18 @@ def device_offsets(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
     return cu.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
 
 
-def _unit_last_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+def _kernel_layout(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as the kernels load them: head dim zero-padded to a multiple of 8 (which changes no score
+    and adds zero columns to the output, cut off after), unit last stride, 16-byte aligned rows."""
+    pad = -tensors[0].shape[-1] % 8
+    if pad:
+        return [torch.nn.functional.pad(t, (0, pad)) for t in tensors]
+    return [t if _aligned(t) else t.contiguous() for t in tensors]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    unit = 16 // t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % unit == 0 for s in t.stride()[:-1])
 
 
 def _nothing_to_compute(inp: AttentionInputs) -> bool:
@@ -72,16 +125,16 @@ def _nothing_to_compute(inp: AttentionInputs) -> bool:
 
 def forward(inp: AttentionInputs, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``kernel(q, k, v, cu_q, cu_k, max_q, max_k) -> (out, lse)`` and convert to packattn's conventions."""
-    q, k, v = _unit_last_stride(inp.q, inp.k, inp.v)
-    layout = inp.layout
+    layout, q = inp.layout, inp.q
     if _nothing_to_compute(inp):
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        out = q.new_zeros(q.shape[0], q.shape[1], inp.v.shape[2])
         return out, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cu_q, cu_k = device_offsets(layout.cu_q, q.device), device_offsets(layout.cu_k, q.device)
-    out, lse = kernel(q, k, v, cu_q, cu_k, layout.max_q, layout.max_k)
+    out, lse = kernel(*_kernel_layout(q, inp.k, inp.v), cu_q, cu_k, layout.max_q, layout.max_k)
     if lse.shape != (q.shape[1], q.shape[0]):
         lse = lse.transpose(0, 1)  # some releases document (Tq, Hq)
-    return out.contiguous(), lse.float().masked_fill(lse == float("inf"), float("-inf")).contiguous()
+    out = out[..., : inp.head_dim_v].contiguous()
+    return out, lse.float().masked_fill(lse == float("inf"), float("-inf")).contiguous()
 
 
 BackwardKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -90,12 +143,13 @@ BackwardKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 def backward(
     inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, kernel: BackwardKernel
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k) -> (dq, dk, dv)`` on the tensors the
-    forward kernel saw (unit last stride) and its LSE convention (+inf for rows that see no key)."""
-    q, k, v, out, dout = _unit_last_stride(inp.q, inp.k, inp.v, out, dout)
+    """Run ``kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k) -> (dq, dk, dv)`` on the tensors as the
+    forward kernel saw them (padded, aligned) and its LSE convention (+inf for rows that see no key)."""
     if _nothing_to_compute(inp):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    layout = inp.layout
-    cu_q, cu_k = device_offsets(layout.cu_q, q.device), device_offsets(layout.cu_k, q.device)
+        return torch.zeros_like(inp.q), torch.zeros_like(inp.k), torch.zeros_like(inp.v)
+    layout, d = inp.layout, inp.head_dim
+    cu_q, cu_k = device_offsets(layout.cu_q, inp.q.device), device_offsets(layout.cu_k, inp.q.device)
     kernel_lse = lse.float().masked_fill(torch.isneginf(lse), float("inf")).contiguous()
-    return kernel(dout, q, k, v, out, kernel_lse, cu_q, cu_k, layout.max_q, layout.max_k)
+    q, k, v, out, dout = _kernel_layout(inp.q, inp.k, inp.v, out, dout)
+    dq, dk, dv = kernel(dout, q, k, v, out, kernel_lse, cu_q, cu_k, layout.max_q, layout.max_k)
+    return dq[..., :d], dk[..., :d], dv[..., :d]

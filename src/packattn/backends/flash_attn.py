@@ -34,30 +34,40 @@ def _varlen_func():
     return flash_attn_varlen_func, None
 
 
+# The leading parameters of flash-attn 2.7-2.8's ``flash_attn::_flash_attn_varlen_backward``, which packattn passes.
+BACKWARD_PARAMETERS = (
+    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+    "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
+    "alibi_slopes", "deterministic", "rng_state",
+)  # fmt: skip
+
+
 def _varlen_backward():
-    """flash-attn's varlen backward op (``torch.ops.flashattn``, flash_attn >= 2.7), or None."""
+    """flash-attn's varlen backward op (``torch.ops.flash_attn``, flash_attn >= 2.7), or None where it is not
+    there or takes other parameters."""
     if _varlen_func()[0] is None:  # importing flash_attn registers its ops
         return None
-    return getattr(torch.ops.flashattn, "_flash_attn_varlen_backward", None)
+    op = getattr(torch.ops.flash_attn, "_flash_attn_varlen_backward", None)
+    if op is None:
+        return None
+    names = tuple(a.name for a in op.default._schema.arguments)
+    return op if names[: len(BACKWARD_PARAMETERS)] == BACKWARD_PARAMETERS else None
 
 
 def backward(
     inp: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients through ``out`` on flash-attn's backward kernel, which (unlike its public function) takes
-    head dims that are multiples of 8 only: they are zero-padded here, as flash-attn's own autograd does."""
-    op, m, d = _varlen_backward(), inp.mask, inp.head_dim
-    pad = -d % 8
+    """Gradients through ``out`` on flash-attn's backward kernel (head dims padded to a multiple of 8 by
+    :func:`.fa2_convention.backward`, as flash-attn's own autograd does)."""
+    op, m = _varlen_backward(), inp.mask
 
     def kernel(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k):
-        if pad:
-            dout, q, k, v, out = (torch.nn.functional.pad(t, (0, pad)) for t in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         op(
             dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, m.scale, m.causal, m.left, m.right,
             m.softcap, None, inp.deterministic, None,
         )  # fmt: skip
-        return dq[..., :d], dk[..., :d], dv[..., :d]
+        return dq, dk, dv
 
     with torch.no_grad():
         return fa2_convention.backward(inp, out, lse, dout, kernel)
@@ -91,7 +101,7 @@ class FlashAttn(fa2_convention.Fa2Convention):
 
     def own_backward_reasons(self, inp: AttentionInputs) -> list[str]:
         if _varlen_backward() is None:
-            return ["this flash_attn has no torch.ops.flashattn._flash_attn_varlen_backward (flash_attn >= 2.7)"]
+            return ["this flash_attn has no torch.ops.flash_attn._flash_attn_varlen_backward of 2.7-2.8's parameters"]
         return []
 
     def forward(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:

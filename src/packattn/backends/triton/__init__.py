@@ -319,7 +319,8 @@ def backward(
 class Triton(Backend):
     name = "triton"
     # CPU tensors only under Triton's interpreter (tests); offsets travel as int32 in the kernels.
-    capabilities = Capabilities(devices=("cuda", "cpu"), max_head_dim=256, max_tokens=2**31 - 1)
+    # Query heads run along the launch grid's second axis, at most 65535 on CUDA.
+    capabilities = Capabilities(devices=("cuda", "cpu"), max_head_dim=256, max_heads_q=65535, max_tokens=2**31 - 1)
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
