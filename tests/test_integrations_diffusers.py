@@ -267,3 +267,54 @@ def test_wan_refuses_an_attention_mask_and_a_short_image_to_video_context() -> N
     data.text = text
     with torch.no_grad(), pytest.raises(ValueError, match="followed by 512 text tokens, got 9 tokens"):
         data.run(model)
+
+
+def test_masks_made_under_inference_mode_work_and_changed_masks_are_read_again() -> None:
+    """Inference tensors have no version counter (nothing is reused for them); a mask whose memory is
+    replaced (``.data``) is read again."""
+    model, data = flux(), Batch.make(PROMPT_LENGTHS)
+    with torch.no_grad():
+        want = run(model, data, mask=data.joint_mask[:, None, None])
+        model.set_attn_processor(PackedJointAttnProcessor())
+        with torch.inference_mode():
+            mask = data.joint_mask.clone()
+            torch.testing.assert_close(run(model, data, mask=mask), want, **TOL)
+        mask = torch.ones_like(data.joint_mask)
+        run(model, data, mask=mask)
+        mask.data = data.joint_mask.clone()
+        torch.testing.assert_close(run(model, data, mask=mask), want, **TOL)
+
+
+def test_processors_say_so_when_set_on_another_kind_of_attention() -> None:
+    x = torch.randn(1, 3, 24)
+    with pytest.raises(
+        TypeError, match=r"attn must be a diffusers FluxAttention .*got WanAttention, which has no head_dim"
+    ):
+        PackedJointAttnProcessor()(wan().blocks[0].attn1, x)
+    flux_attn = flux().transformer_blocks[0].attn
+    with pytest.raises(
+        TypeError, match=r"attn must be a diffusers WanAttention .*got FluxAttention, which has no is_cross"
+    ):
+        PackedWanAttnProcessor()(flux_attn, torch.randn(1, 3, 32))
+    for processor in (PackedJointAttnProcessor, PackedWanAttnProcessor):
+        with pytest.raises(ValueError, match="unknown backend 'nope'"):
+            processor(backend="nope")
+
+
+def test_wan_in_float64_and_per_sample_rotary_tables_match_the_default() -> None:
+    """Wan's rotary embedding in the inputs' precision (float64 stays float64), and tables of shape
+    (B, S, 1, D) applied per sample, as the default processor broadcasts them."""
+    model, data = wan().double(), Video.make()
+    data.latents, data.text = data.latents.double(), data.text.double()
+    with torch.no_grad():
+        want = data.run(model)
+        model.set_attn_processor(PackedWanAttnProcessor(backend="reference"))
+        torch.testing.assert_close(data.run(model), want, atol=1e-12, rtol=1e-12)
+    attn, gen = wan().blocks[0].attn1, torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 24, generator=gen)
+    angles = torch.randn(2, 5, 1, 6, generator=gen).repeat_interleave(2, dim=-1)  # one angle per pair
+    tables = (angles.cos(), angles.sin())
+    with torch.no_grad():
+        want = attn(x, rotary_emb=tables)
+        attn.set_processor(PackedWanAttnProcessor(backend="reference"))
+        torch.testing.assert_close(attn(x, rotary_emb=tables), want, **TOL)

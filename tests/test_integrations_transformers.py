@@ -138,6 +138,18 @@ def test_padded_batch_matches_each_sequence_alone(name: str, side: str) -> None:
         torch.testing.assert_close(g, want, **TOL)
 
 
+def test_padded_batch_under_inference_mode_matches_eager() -> None:
+    """Inference tensors have no version counter: the per-forward reuse of the mask's offsets steps aside."""
+    eager, packed = pair(DECODERS["llama_gqa"])
+    ids, mask = padded(sequences(), "right")
+    with torch.inference_mode():
+        got, want = (
+            outputs(packed, input_ids=ids, attention_mask=mask),
+            outputs(eager, input_ids=ids, attention_mask=mask),
+        )
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], **TOL)
+
+
 def test_plain_batch_matches_eager() -> None:
     eager, packed = pair(DECODERS["gemma2_window_softcap"])
     ids = torch.randint(0, DIMS["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(2))

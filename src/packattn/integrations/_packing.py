@@ -87,10 +87,14 @@ _MEMO: list[tuple[Any, int, tuple[Any, ...], Any]] = []
 
 def memo(fn: Callable[..., T], t: torch.Tensor, *args: Any) -> T:
     """``fn(t, *args)``, reused while ``t`` is the same unmodified tensor object: every layer of one forward
-    gets the same mask / positions / offsets tensor, so the device is read once per forward, not per layer."""
-    if torch.compiler.is_compiling():
+    gets the same mask / positions / offsets tensor, so the device is read once per forward, not per layer.
+
+    "Unmodified" is what PyTorch's version counter and data pointer say: writes through another library
+    (a NumPy array sharing the memory) are not seen, as autograd does not see them. Inference tensors have no
+    version counter, so under ``torch.inference_mode`` nothing is reused."""
+    if torch.compiler.is_compiling() or t.is_inference():
         return fn(t, *args)
-    key = (fn, *args)
+    key = (fn, t.data_ptr(), *args)
     for ref, version, k, value in _MEMO:
         if ref() is t and version == t._version and k == key:
             return value

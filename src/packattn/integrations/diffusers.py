@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..dispatch import check_backend_name
 from ..distributed import ShardPlan, joint_varlen_attention, usp_varlen_attention
 from ..distributed.mesh import mesh_dimensions
 from ..errors import InputTypeError
@@ -214,6 +215,7 @@ class PackedJointAttnProcessor:
 
     def __init__(self, *, backend: str | None = None, parallel: SequenceParallel | None = None) -> None:
         _check_parallel_type(parallel, _WHERE)
+        check_backend_name(backend, _WHERE)
         self.backend = backend
         self.parallel = parallel
 
@@ -229,6 +231,7 @@ class PackedJointAttnProcessor:
 
         rope: Any = apply_rotary_emb  # annotated as returning a pair; it returns one tensor
 
+        _check_module(attn, _WHERE, "FluxAttention", ("head_dim", "added_kv_proj_dim", "norm_q", "norm_k"))
         q, k, v = _project(attn, hidden_states, _IMAGE)
         q, k = attn.norm_q(q), attn.norm_k(k)
         if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
@@ -265,6 +268,7 @@ class PackedWanAttnProcessor:
 
     def __init__(self, *, backend: str | None = None, parallel: SequenceParallel | None = None) -> None:
         _check_parallel_type(parallel, "PackedWanAttnProcessor")
+        check_backend_name(backend, "PackedWanAttnProcessor")
         self.backend = backend
         self.parallel = parallel
 
@@ -276,8 +280,7 @@ class PackedWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.embeddings import apply_rotary_emb
-
+        _check_module(attn, "PackedWanAttnProcessor", "WanAttention", _WAN_ATTRIBUTES)
         if attention_mask is not None:  # WanTransformerBlock passes none; the default would attend with it
             raise ValueError(
                 "PackedWanAttnProcessor: attention_mask must be None (Wan attends every text token), got "
@@ -304,9 +307,7 @@ class PackedWanAttnProcessor:
         q, k, v = attn.norm_q(qkv[0]), attn.norm_k(qkv[1]), qkv[2]
         q, k, v = (t.unflatten(-1, heads) for t in (q, k, v))
         if rotary_emb is not None:
-            freqs = tuple(f[0, :, 0] for f in rotary_emb)  # (1, S, 1, D) -> (S, D)
-            rope: Any = apply_rotary_emb  # annotated as returning a pair; it returns one tensor
-            q, k = rope(q, freqs, sequence_dim=1), rope(k, freqs, sequence_dim=1)
+            q, k = _wan_rotary(q, *rotary_emb), _wan_rotary(k, *rotary_emb)
         if encoder_hidden_states is None and self.parallel is not None:
             sp = self.parallel
             _check_parallel(sp, q.shape[0], q.shape[1], q.shape[1], "PackedWanAttnProcessor")
@@ -333,6 +334,28 @@ class PackedWanAttnProcessor:
 
 
 _WAN_TEXT_TOKENS = 512  # the text length of Wan's image-to-video models, which diffusers' processor assumes too
+_WAN_ATTRIBUTES = ("is_cross_attention", "inner_dim", "heads", "add_k_proj", "norm_q", "norm_k", "to_out")
+
+
+def _check_module(attn: Any, where: str, kind: str, attributes: tuple[str, ...]) -> None:
+    """A clear error for a processor set on an attention module of another kind (it would fail deep inside)."""
+    missing = [name for name in attributes if not hasattr(attn, name)]
+    if missing:
+        raise InputTypeError(
+            f"{where}: attn must be a diffusers {kind} (or one of its kind), got {type(attn).__name__}, which has "
+            f"no {', '.join(missing)}"
+        )
+
+
+def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding of ``x (B, S, H, D)``: each pair ``(x[2i], x[2i+1])`` turned by the angle whose
+    cosine is ``cos[..., 2i]`` and sine ``sin[..., 2i+1]``; ``cos``/``sin`` are ``(B or 1, S, 1, D)``. Computed
+    in the promoted dtype of ``x`` and the tables, as Wan's processor does (float64 stays float64)."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).type_as(x)
+
+
 _ADDED = ("add_k_proj", "add_v_proj")
 
 
@@ -402,7 +425,13 @@ def _check_parallel_type(parallel: object, where: str) -> None:
 
 def _check_parallel(sp: SequenceParallel, batch: int, length: int, image_len: int, where: str = _WHERE) -> None:
     plan = sp.plan
-    if plan.batch != batch or image_len != sp.local_tokens or length < image_len:
+    if plan.batch != batch:
+        raise ValueError(
+            f"{where}: parallel's plan is for a batch of {plan.batch}, got {batch} (build it with "
+            "SequenceParallel.build for the batch the model runs, e.g. twice the prompts with classifier-free "
+            "guidance in one batch)"
+        )
+    if image_len != sp.local_tokens or length < image_len:
         raise ValueError(
             f"{where}: parallel's plan is for {plan.batch} images of {plan.global_cu_seqlens_q[1]} tokens, of which "
             f"this rank holds {sp.local_tokens}; got {batch} images of {image_len} tokens ({length} tokens with "
