@@ -7,8 +7,8 @@ Two documented kernels run a packed batch in one call each:
   (``torch_npu.npu.utils.get_cann_version``) and, from CANN 8.3 on, one trial call of the newer split-fuse
   kernels (fp16, grouped heads, head dim 256), checked against a plain computation:
 
-  - before CANN 8.1, or of unknown version (``get_cann_version`` answers "" before 8.1): none, FIA takes
-    the TND layout from CANN 8.1 on;
+  - before CANN 8.1, or of unknown version (``get_cann_version`` answers "" before 8.1): FIA is not used,
+    its TND layout came with 8.1;
   - CANN 8.1 and 8.2: bfloat16, Q/K head dim 192 with V head dim 128 or 192, equal query and key/value
     heads in {8, 16, 32, 64, 128}, no mask or causal (``sparse_mode`` 0 or 3, no band mode), causal only
     where every sequence has fewer queries than keys;
