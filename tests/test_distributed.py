@@ -660,6 +660,9 @@ def case_flux_matches_single_process(group: Any, *, mesh: str, masked: bool) -> 
             SequenceParallel.build(2, 0, ulysses_group=uly, ring_group=ring)
         with pytest.raises(ValueError, match=r"parallel's plan is for \d images of 16 tokens"):
             fx.run(model, data, img_ids=ids)  # not sharded
+        first = fx.Batch(*(t[:1] for t in (local.image, local.text, local.pooled, local.timestep, local.joint_mask)))
+        with pytest.raises(ValueError, match=r"parallel's plan is for a batch of \d, got 1 \(build it"):
+            fx.run(model, first, img_ids=sp.shard(ids, dim=0))
 
 
 def _summed_gradients_match(model: Any, reference: Any, group: Any) -> None:
