@@ -10,7 +10,7 @@ import packattn
 from packattn import dispatch
 from packattn.backends import reference
 from packattn.backends.base import backward_of
-from packattn.testing import assert_close_to_oracle, attention_naive
+from packattn.testing import assert_close_to_oracle, attention_naive, oracle
 
 from .helpers import (
     COMPILED_LSE_BACKENDS,
@@ -116,6 +116,22 @@ def test_dtypes(backend, mask, dtype):
     check_forward(backend, case, **MASKS[mask])
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the cpu backend")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("lq", "lk", "right"), [(5, 700, 3), (64, 600, 0)], ids=["band", "causal_lq_lt_lk"])
+def test_cpu_rounds_16_bit_outputs_once_where_it_merges_two_calls(dtype, lq, lk, right):
+    """Rows that see a prefix of the keys are an unmasked call merged with a causal square: merged in fp32,
+    within twice the error of a single SDPA call in the same dtype (stricter than the naive baseline)."""
+    visible = torch.arange(lk)[None] <= torch.arange(lq)[:, None] + lk - lq + right
+    for seed in range(6):
+        case = make_case([lq], [lk], hq=2, hkv=2, d=64, dtype=dtype, seed=seed)
+        q, k, v = (t.transpose(0, 1) for t in (case.q, case.k, case.v))
+        plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible).transpose(0, 1)
+        want, _ = oracle(case.q, case.k, case.v, case.cu_q, case.cu_k, window_size=(-1, right))
+        got, _ = attend("cpu", case, window_size=(-1, right))
+        assert_close_to_oracle(got, want, plain, name=f"seed {seed}", floor=0.0)
+
+
 @pytest.mark.parametrize(("backend", "mask"), pairs("full", "causal"))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("dims", [(32, 32), (48, 16), (16, 40)], ids=["d32", "dv_smaller", "dv_larger"])
@@ -160,6 +176,17 @@ def test_rows_without_keys_are_zero_and_minus_inf(backend, mask):
     if lse is not None:
         assert torch.all(lse[:, hidden] == float("-inf")) and torch.isfinite(lse[:, ~hidden]).all()
     assert_matches_oracle(case, out, lse, **MASKS[mask])
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_a_batch_in_which_no_row_sees_a_key_backpropagates_zeros(backend):
+    """Every sequence without keys (a ring step's empty key block), or no queries at all: the output still
+    belongs to the graph, and every input gets a zero gradient."""
+    for lens in (([2, 3], [0, 0]), ([0, 0], [3, 2])):
+        case = make_case(*lens, hq=2, hkv=1, d=8, seed=6, requires_grad=True)
+        out, _ = attend(backend, case)
+        grads = torch.autograd.grad(out.sum(), (case.q, case.k, case.v))
+        assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (case.q, case.k, case.v), strict=True))
 
 
 @pytest.mark.parametrize("backend", [None, *DEVICE_BACKENDS], ids=["default", *DEVICE_BACKENDS])

@@ -109,3 +109,13 @@ def test_oracle_on_a_hand_worked_example(mask, out, lse):
     assert got_out.shape == (1, 1, 1) and got_lse.shape == (1, 1)
     assert got_out.item() == pytest.approx(out, rel=0, abs=1e-14)
     assert got_lse.item() == pytest.approx(lse, rel=0, abs=1e-14)
+
+
+def test_the_oracle_reads_huge_window_bounds_as_unbounded():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 8, generator=gen, dtype=torch.float64) for n in (7, 9, 9))
+    cu_q, cu_k = [0, 3, 7], [0, 6, 9]
+    for huge in (2**60, 2**63 - 1, 2**64):
+        for window, same in (((huge, 5), (-1, 5)), ((2, huge), (2, -1)), ((huge, huge), (-1, -1))):
+            got, want = oracle(q, k, v, cu_q, cu_k, window_size=window), oracle(q, k, v, cu_q, cu_k, window_size=same)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), window

@@ -54,10 +54,11 @@ def attention_naive(
         i = torch.arange(lq)[:, None]
         j = torch.arange(lk)[None, :]
         visible = torch.ones(lq, lk, dtype=torch.bool)
+        # A bound of lq + lk or more hides nothing: clipped there, huge bounds stay within int64.
         if left >= 0:
-            visible &= j >= i + lk - lq - left
+            visible &= j >= i + lk - lq - min(left, lq + lk)
         if right >= 0:
-            visible &= j <= i + lk - lq + right
+            visible &= j <= i + lk - lq + min(right, lq + lk)
         visible = visible.to(s.device)
         empty = ~visible.any(dim=-1)  # rows with no visible key: out 0, LSE -inf
         s = s.masked_fill(~visible, float("-inf")).masked_fill(empty[:, None], 0.0)

@@ -107,12 +107,16 @@ def _banded_sequence(
     last = max(first, mask.query_range(lk - 1, lk, lq, lk)[0])  # rows [first, last) see a strict prefix of the keys
     pieces = []
     if last > first:
-        rows = _Rows(qs + first, 1, last - first, 0)
-        out, lse = _attend(q, k, v, rows, _Rows(ks + first + shift, 1, last - first, 0), scale, True)
+        # Rows [first, last) see keys [0, last + shift): a prefix every one of them sees, then a square.
+        qw, kw, vw = q[qs + first : qs + last], k[ks : ks + last + shift], v[ks : ks + last + shift]
+        if q.dtype in (torch.float16, torch.bfloat16):  # the two calls merge in fp32: the output is rounded once
+            qw, kw, vw = qw.float(), kw.float(), vw.float()
+        rows = _Rows(0, 1, last - first, 0)
+        out, lse = _attend(qw, kw, vw, rows, _Rows(first + shift, 1, last - first, 0), scale, True)
         if first + shift > 0:
-            o_pre, l_pre = _attend(q, k, v, rows, _Rows(ks, 1, first + shift, 0), scale, False)
+            o_pre, l_pre = _attend(qw, kw, vw, rows, _Rows(0, 1, first + shift, 0), scale, False)
             out, lse = merge_attention_states(o_pre, l_pre, out, lse)
-        pieces.append((qs + first, out, lse))
+        pieces.append((qs + first, out.to(q.dtype), lse))
     if lq > last:
         pieces.append(
             (qs + last, *_attend(q, k, v, _Rows(qs + last, 1, lq - last, 0), _Rows(ks, 1, lk, 0), scale, False))

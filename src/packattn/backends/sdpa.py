@@ -39,9 +39,12 @@ def forward(inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
             attn_mask = torch.arange(lk, device=q.device)[None, :] <= i + (lk - rows)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, is_causal=is_causal, scale=mask.scale)
         pieces.append(o[0].transpose(0, 1))
-    if not pieces:
-        return q.new_zeros(0, q.shape[1], v.shape[2]), None
-    return nonfinite.propagate(inp, torch.cat(pieces).contiguous(), None)  # SDPA's CPU kernel drops NaN queries
+    out = torch.cat(pieces) if pieces else q.new_zeros(0, q.shape[1], v.shape[2])
+    if torch.is_grad_enabled() and not out.requires_grad and any(t.requires_grad for t in (q, k, v)):
+        # No row sees a key: the zeros still join the graph (an empty sum is 0 and carries no NaN), so that a
+        # backward through them gives zero gradients, as on every other backend.
+        out = out + (q[:0].sum() + k[:0].sum() + v[:0].sum()).to(out.dtype)
+    return nonfinite.propagate(inp, out.contiguous(), None)  # SDPA's CPU kernel drops NaN queries
 
 
 class Sdpa(Backend):
