@@ -5,6 +5,7 @@ test_contract.py covers it too, through DEVICE_BACKENDS.)"""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -573,6 +574,46 @@ def test_failed_build_leaves_the_cpu_backend_serving(how, tmp_path):
     assert lines["CLOSE"] == "True" and lines["CHOSEN"] == "cpu"
     info = [line.split(maxsplit=1) for line in res.stdout.splitlines() if line.strip().startswith("cpu_kernel")]
     assert info == [["cpu_kernel", f"unavailable: {lines['REASON']}"]]
+
+
+def _copy_of_this_build(tmp_path: Path) -> Path:
+    """A cache of its own holding a copy of this process's finished build (the same directory name)."""
+    build.load()
+    root = tmp_path / "cache"
+    shutil.copytree(build.build_dir(), root / build.build_dir().name)  # keeps the files' times for ninja
+    return root
+
+
+def _kernel_serves(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode == 0, res.stderr
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if line.split(" ")[0].isupper())
+    assert lines["REASON"] == "None" and lines["CLOSE"] == "True" and lines["CHOSEN"] == "cpu_kernel", res.stdout
+
+
+def test_a_finished_build_loads_without_a_compiler_and_writes_nothing(tmp_path):
+    """A build made ahead (``packattn build`` in an image) runs where no compiler is and the cache is read-only."""
+    root = _copy_of_this_build(tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+    _kernel_serves(_python(FALLBACK_CHECK, {"PATH": str(tmp_path / "empty"), "PACKATTN_CACHE_DIR": str(root)}))
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+
+
+@pytest.mark.parametrize("damage", ["killed_build", "truncated_library"])
+def test_a_killed_build_or_a_damaged_library_is_built_again_without_waiting(tmp_path, damage):
+    """A build killed mid-way leaves torch's lock file and no mark (waited for forever before); a library cut
+    short no longer matches its mark (a bus error at import before). Both are linked again and load."""
+    root = _copy_of_this_build(tmp_path)
+    where = root / build.build_dir().name
+    library = where / f"{build._module_name()}.so"
+    if damage == "killed_build":
+        (where / build.READY).unlink()
+        (where / "lock").write_text("")
+    else:
+        library.write_bytes(library.read_bytes()[:4096])
+    res = _python(FALLBACK_CHECK, {"PACKATTN_CACHE_DIR": str(root)})
+    _kernel_serves(res)
+    assert "building the C++ CPU kernel" in res.stderr
+    assert not (where / "lock").exists() and (where / build.READY).read_text().strip() == build._digest(library)
 
 
 def test_cli_build_reports_the_cached_kernel(capsys):

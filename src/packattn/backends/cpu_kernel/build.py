@@ -1,21 +1,28 @@
 """Compile the kernel (``forward.cpp``, ``backward.cpp``, ``module.cpp`` and the headers beside them) on first
 use with ``torch.utils.cpp_extension.load`` and cache the result.
 
-The cache holds one build per torch version, CPU capability (ATen's, e.g. ``AVX512``, ``AVX2``; the
-``ATEN_CPU_CAPABILITY`` variable lowers it) and source: ``$PACKATTN_CACHE_DIR``, else
-``$XDG_CACHE_HOME/packattn`` or ``~/.cache/packattn``; the test builds (:func:`sanitizers`, :func:`emulated`)
-have their own. The vectorized parts are compiled for that capability (ATen's ``Vectorized``); the matrix
-products call ATen's own GEMMs, which pick their instructions at run time.
+The cache holds one build per torch version and installation, Python, compiler, CPU capability (ATen's,
+e.g. ``AVX512``, ``AVX2``; the ``ATEN_CPU_CAPABILITY`` variable lowers it) and source: ``$PACKATTN_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/packattn`` or ``~/.cache/packattn``; the test builds (:func:`sanitizers`,
+:func:`emulated`) have their own. A finished build is marked with its library's hash and then loaded
+directly, without a compiler or a writable cache (a read-only image, another user); a library that does not
+match its mark (a disk that filled up, a copy cut short) is linked again. Builds of one directory take turns
+under a lock that the system releases when its holder dies, so a killed build leaves nothing to wait for.
+The vectorized parts are compiled for that capability (ATen's ``Vectorized``); the matrix products call
+ATen's own GEMMs, which pick their instructions at run time.
 No isolated build and no downloads: the system C++ compiler, ninja and the installed torch headers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -43,7 +50,13 @@ def cache_dir() -> Path:
     root = os.environ.get("PACKATTN_CACHE_DIR")
     if root:
         return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packattn"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):  # a relative value is to be ignored (XDG base directory specification)
+        return Path(xdg) / "packattn"
+    try:
+        return Path.home() / ".cache" / "packattn"
+    except RuntimeError as exc:  # no home directory
+        raise RuntimeError(f"{exc}: set PACKATTN_CACHE_DIR to a writable directory for the kernel's build") from None
 
 
 def sanitizers() -> str:
@@ -74,6 +87,11 @@ def build_dir() -> Path:
     for path in SOURCES + HEADERS:  # names and contents: code moved between files is a new build too
         data = path.read_bytes()
         sha.update(f"{path.name}\0{len(data)}\0".encode() + data)
+    # The build compiles against this Python's and this torch installation's headers with this compiler:
+    # two environments sharing a cache (a cluster's home directory) get a build each.
+    sha.update(
+        f"{sys.implementation.cache_tag}\0{Path(torch.__file__).parent}\0{os.environ.get('CXX', 'c++')}".encode()
+    )
     digest = sha.hexdigest()[:12]
     san = f"-sanitize-{sanitizers().replace(',', '-')}" if sanitizers() else ""
     emu = f"-emulate-{emulated()}" if emulated() else ""
@@ -138,21 +156,77 @@ def loaded() -> ModuleType | None:
     return _state.get("module")  # type: ignore[return-value]
 
 
-def _build(verbose: bool) -> ModuleType:
-    from torch.utils import cpp_extension
+READY = "ready"  # a finished build's mark: the SHA-256 of the library that loaded
 
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_finished(where: Path, name: str) -> ModuleType | None:
+    """The module of a finished build, imported directly (no compiler, nothing written); None if there is
+    none or its library does not match its mark."""
+    library, mark = where / f"{name}.so", where / READY
+    try:
+        if not library.is_file() or mark.read_text().strip() != _digest(library):
+            return None
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _turn(where: Path) -> Iterator[None]:
+    """This process's turn to build in ``where``: an exclusive ``flock``, which the system releases when its
+    holder exits or is killed (torch's own lock file stays behind a killed build, and everyone waits)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(where / "build.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"packattn: waiting for another process building the C++ CPU kernel in {where}", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _build(verbose: bool) -> ModuleType:
+    where, name = build_dir(), _module_name()
+    module = _load_finished(where, name)
+    if module is not None:
+        return module
     ninja_dir = _ninja_dir()
     if shutil.which("ninja") is None and ninja_dir:  # cpp_extension runs `ninja` from PATH
         os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
     missing = _missing_tool()
     if missing:
         raise RuntimeError(missing)
-    where = build_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    name = _module_name()
-    fresh = not (where / f"{name}.so").exists()
-    if fresh:
-        print(f"packattn: compiling the C++ CPU kernel into {where} (once per torch version and CPU)", file=sys.stderr)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(f"cannot create {where} ({exc}): set PACKATTN_CACHE_DIR to a writable directory") from None
+    with _turn(where):
+        module = _load_finished(where, name)  # built while this process waited
+        if module is not None:
+            return module
+        # Every builder holds the turn, so torch's lock file here is a killed build's; a library without a
+        # matching mark is unfinished or damaged: linked again from the compiled objects.
+        (where / "lock").unlink(missing_ok=True)
+        (where / f"{name}.so").unlink(missing_ok=True)
+        return _compile(where, name, verbose)
+
+
+def _compile(where: Path, name: str, verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    print(f"packattn: building the C++ CPU kernel in {where} (once per torch installation and CPU)", file=sys.stderr)
     cap = capability()
     flags = ["-O3", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
     ldflags = []
@@ -179,4 +253,7 @@ def _build(verbose: bool) -> ModuleType:
             f"the C++ kernel did not build: {_first_error_line(str(exc))}; see {where} "
             "(rerun `packattn build --verbose` for the full log)"
         ) from None
+    mark = where / f"{READY}.tmp"
+    mark.write_text(_digest(where / f"{name}.so") + "\n")
+    mark.replace(where / READY)
     return module
