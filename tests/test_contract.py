@@ -116,7 +116,7 @@ def test_dtypes(backend, mask, dtype):
     check_forward(backend, case, **MASKS[mask])
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the cpu backend")
+@pytest.mark.skipif("cpu" not in DEVICE_BACKENDS, reason="the cpu backend does not run on this device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("lq", "lk", "right"), [(5, 700, 3), (64, 600, 0)], ids=["band", "causal_lq_lt_lk"])
 def test_cpu_rounds_16_bit_outputs_once_where_it_merges_two_calls(dtype, lq, lk, right):
