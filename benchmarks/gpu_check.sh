@@ -7,7 +7,7 @@
 #
 #   benchmarks/gpu_check.sh [tests|forward|backward|all] [RESULTS_DIR]     (default: all bench-results)
 #
-# Targets (issue 9): the Triton kernel >= 0.8x the best kernel on W1, >= 1.5x the per-sequence loop on W3.
+# Targets: the Triton kernel >= 0.8x the best kernel on W1, >= 1.5x the per-sequence loop on W3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}

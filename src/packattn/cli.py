@@ -1,4 +1,4 @@
-"""The ``packattn`` command: ``info`` lists backends, ``build`` compiles the CPU kernel, ``bench`` benchmarks."""
+"""The packattn command: info lists backends, build compiles the CPU kernel, bench benchmarks."""
 
 from __future__ import annotations
 
@@ -82,10 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("build", help="compile packattn's C++ CPU kernel now (otherwise on first use)")
     c.add_argument("--verbose", action="store_true", help="show the compiler's output")
     b = sub.add_parser("bench", help="check packattn and its peers against the float64 oracle, then time them")
-    b.add_argument("--quick", action="store_true", help="smaller workloads, shorter timing, no compiled flex")
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller workloads, shorter timing, no compiled flex (with --distributed: forward only)",
+    )
     b.add_argument("--workloads", help="comma-separated subset, e.g. W1,W3")
     b.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16 (default fp32,bf16)")
-    b.add_argument("--impls", help="comma-separated implementations (default: all)")
+    b.add_argument(
+        "--impls",
+        help="comma-separated implementations (default: packattn and its peers on --device; the backends "
+        "that packattn's dispatch picks from run by name, e.g. 'packattn cpu_kernel')",
+    )
     b.add_argument("--threads", type=int, help="torch.set_num_threads before timing")
     b.add_argument("--device", default="cpu", help="device type to run on, e.g. cuda (default cpu)")
     b.add_argument(

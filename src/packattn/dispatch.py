@@ -25,7 +25,8 @@ class BackendInfo:
 
 
 def info() -> list[BackendInfo]:
-    """Every backend in priority order, with whether it can run here and, if not, why."""
+    """Every backend (in the order of ``packattn.backends.ALL``, not a device's priority), with whether it can
+    run here and, if not, why."""
     out = []
     for b in ALL:
         reason = b.unavailable_reason()

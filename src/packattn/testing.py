@@ -1,6 +1,6 @@
 """Float64 oracle and tolerance helpers, public so that device checks can reuse them.
 
-The oracle is written straight from the formulas in the design contract, one sequence at a time, with
+The oracle is written straight from the formulas of the contract (README), one sequence at a time, with
 full score matrices: simple rather than fast. Tolerances follow flash-attention's rule: a result may be at
 most ``factor`` times as far from the float64 oracle as plain PyTorch computing the same formula in the
 same dtype, plus a small rounding floor.

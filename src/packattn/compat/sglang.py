@@ -47,7 +47,7 @@ def fused_infer_attention_varlen(
     Returns ``out (Tq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_softmax_lse=True``: ``lse``
     is ``(Hq, Tq)`` float32 (float64 for float64 inputs), natural log, ``-inf`` for rows without keys.
 
-    Example (the seed's case: the second sequence has 0 queries and 8 keys):
+    Example (the second sequence has 0 queries and 8 keys, which the original refuses):
         >>> import torch
         >>> from packattn.compat.sglang import fused_infer_attention_varlen
         >>> cu_q = torch.tensor([0, 5, 5, 12]); cu_k = torch.tensor([0, 9, 17, 25])
