@@ -70,7 +70,8 @@ def _model(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window, softcap=0.0):
     CALLS.append({"max": (max_q, max_k), "window": tuple(window), "scale": scale, "softcap": softcap})
     window = kernel_window(*window, max_k)
     out, lse = oracle(q, k, v, host_q, host_k, softmax_scale=scale, window_size=window, softcap=softcap)
-    return out.to(q.dtype), lse.float().masked_fill(torch.isneginf(lse), float("inf"))  # FA2: +inf
+    # FA2 writes +inf where the softmax sum is 0 (no key) or NaN (a NaN or +inf score).
+    return out.to(q.dtype), lse.float().masked_fill(torch.isneginf(lse) | torch.isnan(lse), float("inf"))
 
 
 def fake_flash_attn_varlen_func(
@@ -449,3 +450,17 @@ def test_more_sequences_or_heads_than_a_grid_holds_are_declined(models):
         )
         few = make_case([1] * 65535, [1] * 65535, hq=1, hkv=1, d=8, dtype=torch.float16)
         assert not backend.special_reasons(case_inputs(few))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_nan_row_gets_a_nan_lse_not_the_minus_inf_of_a_row_without_keys(models, name):
+    """Both kernels write LSE +inf for a NaN softmax sum as for a row without keys; merges would drop the
+    former as empty. A NaN in a query row makes its LSE NaN, as on every other backend."""
+    case = make_case(*LENS, hq=4, hkv=2, d=16, dtype=torch.float16, seed=17)
+    case.q.data[2, 1, 3] = float("nan")
+    out, lse = attention(name, case, causal=True)
+    assert torch.isnan(lse[1, 2]) and torch.isnan(out[2, 1]).all()
+    assert torch.isneginf(lse[:, 12:16]).all()  # the sequence without keys
+    others = torch.ones_like(lse, dtype=torch.bool)
+    others[1, 2] = False
+    assert not torch.isnan(lse[others]).any() and not (lse == float("inf")).any()

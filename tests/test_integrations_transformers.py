@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import subprocess
 import sys
 from typing import Any
@@ -66,6 +67,12 @@ def pair(cfg: Any, cls: Any = AutoModelForCausalLM) -> tuple[torch.nn.Module, to
     packed.load_state_dict(eager.state_dict())
     assert eager.config._attn_implementation == "eager" and packed.config._attn_implementation == "packattn"
     return eager, packed
+
+
+def cache_argument(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """A cache for ``model.forward``: ``cache=`` where it takes that (``past_key_values`` is deprecated)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def sequences(seed: int = 1) -> list[torch.Tensor]:
@@ -312,7 +319,8 @@ def test_a_mask_wider_than_the_keys_is_read_as_transformers_reads_it(cache: str)
         tokens, seen, pos = ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
         logits = []
         for _ in range(4):
-            out = model(input_ids=tokens, attention_mask=wide if widen else seen, past_key_values=kv, position_ids=pos)
+            mask_now = wide if widen else seen
+            out = model(input_ids=tokens, attention_mask=mask_now, position_ids=pos, **cache_argument(model, kv))
             logits.append(out.logits[:, -1])
             tokens, pos = out.logits[:, -1:].argmax(-1), pos[:, -1:] + 1
             seen = torch.cat([seen, torch.ones_like(seen[:, :1])], 1)
@@ -325,7 +333,8 @@ def test_a_static_cache_without_a_mask_attends_to_its_filled_slots() -> None:
     eager, packed = pair(DECODERS["llama_gqa"])
     ids = sequences()[0][None]
     cache = transformers.StaticCache(config=DECODERS["llama_gqa"], max_cache_len=16)
-    torch.testing.assert_close(packed(input_ids=ids, past_key_values=cache).logits, eager(input_ids=ids).logits, **TOL)
+    got = packed(input_ids=ids, **cache_argument(packed, cache)).logits
+    torch.testing.assert_close(got, eager(input_ids=ids).logits, **TOL)
 
 
 SEQ2SEQ = transformers.BartConfig(

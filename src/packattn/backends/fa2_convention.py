@@ -134,7 +134,11 @@ def forward(inp: AttentionInputs, kernel: Kernel) -> tuple[torch.Tensor, torch.T
     if lse.shape != (q.shape[1], q.shape[0]):
         lse = lse.transpose(0, 1)  # some releases document (Tq, Hq)
     out = out[..., : inp.head_dim_v].contiguous()
-    return out, lse.float().masked_fill(lse == float("inf"), float("-inf")).contiguous()
+    # The kernels write +inf for a row that sees no key (packattn: -inf) and for a row whose softmax sum is NaN
+    # (a NaN or +inf score: packattn's LSE is NaN there), told apart by the NaN the latter leaves in its output.
+    lse = lse.float()
+    no_mass = torch.where(out.isnan().any(-1).transpose(0, 1), float("nan"), float("-inf"))
+    return out, torch.where(lse == float("inf"), no_mass, lse).contiguous()
 
 
 BackwardKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
