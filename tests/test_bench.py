@@ -72,3 +72,85 @@ def test_distributed_bytes_sent_per_rank():
     assert sent_megabytes(s, 4, 4, backward=True) == sent_megabytes(s, 4, 4)
     assert sent_megabytes(s, 4, 2, backward=True) == pytest.approx((uly + 3 * ring) * 4 / 1e6)
     assert sent_megabytes(s, 1, 1, backward=True) == 0
+
+
+def _raises(wl, q, k, v):
+    def run():
+        raise RuntimeError("out of memory")
+
+    return run, {}
+
+
+def _nan_in_an_unchecked_row(wl, q, k, v):
+    run, setup = peers.per_sequence_sdpa(wl, q, k, v)
+    unchecked = next(r for r in range(q.shape[0]) if r not in runner.sampled_rows(wl))
+
+    def corrupt():
+        out = run().clone()
+        out[unchecked] = float("nan")
+        return out
+
+    return corrupt, setup
+
+
+LONG = Workload("L", "long", (300,), (300,), 2, 1, 16, False)
+
+
+def test_a_failing_or_partly_wrong_implementation_is_its_row_and_the_run_goes_on():
+    impls = {"raises": (_raises, True, None), "nan": (_nan_in_an_unchecked_row, True, None)}
+    with mock.patch.dict(peers.IMPLEMENTATIONS, impls):
+        rows = runner.bench_group(LONG, "fp32", ["raises", "nan", "packattn"], 0.01, 1.0)
+    assert rows[0].status == "FAILED: RuntimeError: out of memory"
+    assert rows[1].status == "WRONG: nan: non-finite values outside the checked rows"
+    assert rows[2].status == "ok" and rows[2].backend == "cpu_kernel" and rows[2].median_ms
+    checked = runner.sampled_rows(LONG)
+    assert {63, 64, 127, 128, 255, 256} <= set(checked)  # both sides of the 64-row boundaries
+
+
+def test_a_packattn_row_that_fails_makes_the_run_fail(capsys):
+    argv = ["bench", "--quick", "--workloads", "T", "--dtypes", "fp32", "--impls", "packattn"]
+    with (
+        mock.patch.object(runner, "workloads", lambda quick: [TINY]),
+        mock.patch.object(runner, "mm_ceiling", lambda *a, **k: 100.0),
+        mock.patch.dict(peers.IMPLEMENTATIONS, {"packattn": (_raises, False, None)}),
+    ):
+        assert cli.main(argv) == 1
+    assert "1 packattn row(s) WRONG or FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workloads", "W9"], "unknown --workloads ['W9']"),
+        (["--dtypes", "fp64"], "unknown --dtypes ['fp64']"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--device", "nodevice"], "--device nodevice is not usable here"),
+        (["--json", "/nonexistent/dir/r.json"], "cannot write /nonexistent/dir/r.json"),
+        (["--distributed", "--backward"], "--distributed takes --quick and --world-size only, got --backward"),
+        (["--distributed", "--world-size", "0"], "--world-size must be at least 2, got 0"),
+    ],
+)
+def test_options_are_checked_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_loop_peer_takes_grouped_heads_without_copies_and_splits_its_sequences():
+    """The per-sequence loop as a careful user writes it: SDPA's enable_gqa where torch has it (copies of K/V
+    before), and split (one gradient assembly) rather than slices (a zero-padded full gradient each)."""
+    wl = Workload("G", "gqa", (3, 5), (6, 5), 4, 1, 8, True)
+    q, k, v = (t.requires_grad_() for t in wl.tensors(runner.DTYPES["fp32"]))
+    run, _ = peers.per_sequence_sdpa(wl, q, k, v)
+    with mock.patch.object(peers.torch.Tensor, "repeat_interleave", side_effect=AssertionError("K/V copied")):
+        out = run()
+    assert peers.SDPA_GQA
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [f for f, _ in node.next_functions]
+    names = {node.name() for node in seen}
+    assert "SplitWithSizesBackward0" in names and "SliceBackward0" not in names
+    assert runner.bench_one(wl, "fp32", "per-seq SDPA", 0.01, 1.0, backward=True).status == "ok"

@@ -39,21 +39,62 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_bench_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every option checked before any work starts (a typo should not cost a run)."""
+    from .bench import runner
+    from .bench.peers import IMPLEMENTATIONS
+
+    if args.distributed:
+        ignored = [
+            f"--{n.replace('_', '-')}" for n in ("workloads", "impls", "json", "plot", "threads") if getattr(args, n)
+        ]
+        ignored += ["--backward"] if args.backward else []
+        ignored += ["--dtypes"] if args.dtypes != "fp32,bf16" else []
+        ignored += ["--device"] if args.device != "cpu" else []
+        if ignored:
+            parser.error(f"--distributed takes --quick and --world-size only, got {' '.join(ignored)}")
+        if args.world_size < 2:
+            parser.error(f"--world-size must be at least 2, got {args.world_size}")
+        return
+    names = [w.name for w in runner.workloads(False)]
+    for option, given, known in (
+        ("--workloads", args.workloads, names),
+        ("--dtypes", args.dtypes, list(runner.DTYPES)),
+        ("--impls", args.impls, list(IMPLEMENTATIONS)),
+    ):
+        unknown = [x for x in (given.split(",") if given else []) if x not in known]
+        if unknown:
+            parser.error(f"unknown {option} {unknown}; expected some of {known}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as exc:
+        parser.error(f"--device {args.device} is not usable here: {str(exc).splitlines()[0]}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'packattn[plot]'")
+    for path in filter(None, (args.json, args.plot)):
+        try:
+            open(path, "a").close()
+        except OSError as exc:
+            parser.error(f"cannot write {path}: {exc}")
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.distributed:
         from .bench import distributed
 
         return distributed.main(["--world-size", str(args.world_size)] + (["--forward-only"] if args.quick else []))
-    from .bench.peers import IMPLEMENTATIONS, default_impls
+    from .bench.peers import default_impls
     from .bench.runner import run_suite, write_json, write_plot
 
     impls = args.impls.split(",") if args.impls else default_impls(args.device)
     if args.quick and not args.impls:
         impls.remove("flex (compiled)")  # compiling takes ~15 s per workload
         print("flex (compiled): left out of --quick (it compiles for each workload); run without --quick")
-    unknown = [i for i in impls if i not in IMPLEMENTATIONS]
-    if unknown:
-        raise SystemExit(f"packattn bench: unknown --impls {unknown}; expected some of {list(IMPLEMENTATIONS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows, meta = run_suite(
@@ -69,10 +110,10 @@ def _bench(args: argparse.Namespace) -> int:
         write_json(args.json, rows, meta)
     if args.plot:
         write_plot(args.plot, rows)
-    wrong = [r for r in rows if r.status.startswith("WRONG")]
-    for r in wrong:
-        print(f"{r.workload} {r.dtype} {r.impl}: {r.status}")
-    return 1 if any(r.impl.startswith("packattn") for r in wrong) else 0
+    failed = [r for r in rows if r.status.startswith(("WRONG", "FAILED")) and r.impl.startswith("packattn")]
+    if failed:
+        print(f"packattn bench: {len(failed)} packattn row(s) WRONG or FAILED (see the table)")
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--world-size", type=int, default=2, help="processes for --distributed (default 2)")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        _check_bench_arguments(args, b)
     if args.command == "info":
         return _info()
     if args.command == "build":

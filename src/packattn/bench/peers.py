@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import packattn
 from packattn import dispatch
-from packattn.inputs import MaskSpec
+from packattn.inputs import AttentionInputs, MaskSpec, check_mask
+from packattn.layout import SeqLayout
 
 from .workloads import Workload
 
@@ -27,14 +28,28 @@ class Unsupported(Exception):
     pass
 
 
+# SDPA takes grouped K/V heads itself from torch 2.5 on (``enable_gqa``); before, they are repeated.
+SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
+    """SDPA on ``(..., H, L, D)`` with ``Hq`` a multiple of ``Hkv`` (grouped heads)."""
+    g = q.shape[-3] // k.shape[-3]
+    if g > 1 and SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)  # type: ignore[arg-type]
+    if g > 1:
+        k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
+    return F.scaled_dot_product_attention(q, k, v, **options)  # type: ignore[arg-type]
+
+
 def _bottom_right(lq: int, lk: int, device: torch.device) -> torch.Tensor:
     return MaskSpec(1.0, -1, 0).visible(torch.arange(lq, device=device), torch.arange(lk, device=device), lq, lk)
 
 
 def per_sequence_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Run, dict]:
-    """A loop over sequences calling SDPA, K/V heads repeated for GQA (transformers' CPU path)."""
-    g = wl.heads_q // wl.heads_kv
-    cu_q, cu_k = wl.cu_q, wl.cu_k
+    """A loop over sequences calling SDPA (``enable_gqa`` for grouped heads). The sequences are taken with
+    ``split``, whose backward assembles the gradient once (a slice per sequence would add a zero-padded
+    gradient of the whole tensor per sequence)."""
     masks = {}
     for lq, lk in zip(wl.lens_q, wl.lens_k):
         if wl.causal and lq != lk and lq > 1 and (lq, lk) not in masks:
@@ -42,17 +57,12 @@ def per_sequence_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
     def run() -> torch.Tensor:
         outs = []
-        for b in range(len(wl.lens_q)):
+        for qs, ks, vs in zip(q.split(wl.lens_q), k.split(wl.lens_k), v.split(wl.lens_k), strict=True):
             # 4-D (1, H, L, D) views: PyTorch's fused CPU kernel takes them without copies (3-D falls to math).
-            qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)[None]
-            kb = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)[None]
-            vb = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)[None]
-            if g > 1:
-                kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+            qb, kb, vb = (t.transpose(0, 1)[None] for t in (qs, ks, vs))
             lq, lk = qb.shape[2], kb.shape[2]
             causal = wl.causal and lq == lk
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=masks.get((lq, lk)), is_causal=causal)
-            outs.append(o[0].transpose(0, 1))
+            outs.append(_sdpa(qb, kb, vb, attn_mask=masks.get((lq, lk)), is_causal=causal)[0].transpose(0, 1))
         return torch.cat(outs)
 
     return run, {}
@@ -64,7 +74,6 @@ def padded_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     need = b * wl.heads_q * lq_max * lk_max * 4 * 3
     if need > 8 * 2**30:
         raise Unsupported(f"the padded score matrices would need {need / 2**30:.0f} GiB")
-    g = wl.heads_q // wl.heads_kv
     dev = q.device
     lens_q, lens_k = torch.tensor(wl.lens_q, device=dev), torch.tensor(wl.lens_k, device=dev)
     i, j = torch.arange(lq_max, device=dev), torch.arange(lk_max, device=dev)
@@ -80,10 +89,7 @@ def padded_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         qp = q[q_idx].transpose(1, 2)
         kp = k[k_idx].transpose(1, 2)
         vp = v[k_idx].transpose(1, 2)
-        if g > 1:
-            kp, vp = kp.repeat_interleave(g, 1), vp.repeat_interleave(g, 1)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
-        return o.transpose(1, 2)[q_ok]
+        return _sdpa(qp, kp, vp, attn_mask=mask).transpose(1, 2)[q_ok]
 
     return run, {}
 
@@ -96,6 +102,7 @@ def nested_jagged_sdpa(wl: Workload, q: torch.Tensor, k: torch.Tensor, v: torch.
     off_q, off_k = torch.tensor(wl.cu_q, device=q.device), torch.tensor(wl.cu_k, device=q.device)
 
     def run() -> torch.Tensor:
+        # Nested jagged SDPA takes no enable_gqa: grouped K/V heads are repeated.
         kk, vv = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
         nq = torch.nested.nested_tensor_from_jagged(q, off_q).transpose(1, 2)
         nk = torch.nested.nested_tensor_from_jagged(kk, off_k).transpose(1, 2)
@@ -204,6 +211,19 @@ def packattn_backend(name: str | None):
         # A compiled backend builds on first use (cpu_kernel: about 30 s): here, not in a timed run.
         for backend in [dispatch.BACKENDS[name]] if name else dispatch.candidates(q.device):
             backend.unavailable_reason()
+        inp = AttentionInputs(
+            q,
+            k,
+            v,
+            SeqLayout.build(cu_q, cu_k, q.shape[0], k.shape[0], cu_seqlens_q_host=host_q, cu_seqlens_k_host=host_k),
+            check_mask(q, softmax_scale=None, causal=wl.causal, window_size=(-1, -1), softcap=0.0, where="bench"),
+            grad=q.requires_grad,
+        )
+        if name:
+            why = dispatch.reasons(dispatch.BACKENDS[name], inp)
+            if why:
+                raise Unsupported("; ".join(why))
+        chosen = name or dispatch.select(inp, None, "bench").name
 
         def run() -> torch.Tensor:
             return packattn.varlen_attention(
@@ -218,7 +238,7 @@ def packattn_backend(name: str | None):
                 backend=name,
             )
 
-        return run, {}
+        return run, {"backend": chosen}
 
     return prepare
 

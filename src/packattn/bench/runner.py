@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -23,7 +24,8 @@ class Row:
     workload: str
     dtype: str
     impl: str
-    status: str = "ok"  # "ok", "skipped: why", or "WRONG: why"
+    status: str = "ok"  # "ok", "skipped: why", "WRONG: why" or "FAILED: why" (it raised)
+    backend: str | None = None  # the packattn backend that ran (dispatch's choice for "packattn")
     max_error: float | None = None
     allowed_error: float | None = None
     median_ms: float | None = None
@@ -133,9 +135,16 @@ def machine_busy(seconds: float = 0.5) -> float:
 
 
 def sampled_rows(wl: Workload, per_seq: int = 6) -> list[int]:
+    """Query rows the oracle checks: evenly spaced ones of every sequence (its first and last included), both
+    sides of every 64-row boundary of the longest ones (where kernels change tiles), and random ones."""
+    gen = torch.Generator().manual_seed(0)
     rows = []
     for start, lq in zip(wl.cu_q, wl.lens_q):
         picks = {0, lq - 1} | {round(i * (lq - 1) / max(1, per_seq - 1)) for i in range(per_seq)}
+        if lq > 64:
+            edges = range(64, lq, 64 * max(1, lq // (64 * 8)))  # at most about 8 boundaries a sequence
+            picks |= {e + d for e in edges for d in (-1, 0)}
+            picks |= set(torch.randint(0, lq, (per_seq,), generator=gen).tolist())
         rows += [start + i for i in sorted(picks) if 0 <= i < lq]
     return rows
 
@@ -168,12 +177,18 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[Row], ceilings: dict[str, float]) -> None:
+    print(
+        "max err: the largest difference from the float64 oracle on the checked rows (allowed: twice plain "
+        "PyTorch's in the same dtype); vs best peer: the fastest peer's time / this row's (> 1: faster); vs mm: "
+        "this row's GFLOP/s / the fastest torch.mm of fp32 and its dtype; extra MiB: peak memory beyond the output"
+    )
     head = f"{'workload':<9}{'dtype':<6}{'impl':<20}{'max err':>9}{'ms':>10}{'GFLOP/s':>9}{'vs best peer':>13}"
     head += f"{'vs mm':>7}{'extra MiB':>10}  note"
     print(head)
     print("-" * len(head))
     for r in rows:
         notes = [] if r.status == "ok" else [r.status]
+        notes += [f"backend={r.backend}"] if r.backend and r.impl == "packattn" else []
         notes += [f"{k}={v:.1f}" for k, v in r.setup.items()]
         note = "; ".join(notes)
         print(
@@ -232,6 +247,7 @@ def check_one(
     except Unsupported as e:
         row.status = f"skipped: {e}"
         return row, None, 0.0
+    row.backend = row.setup.pop("backend", None)
     step: Run = run
     if backward:
         dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=torch.Generator().manual_seed(1))
@@ -243,7 +259,11 @@ def check_one(
             return out
 
     t0 = time.perf_counter()
-    out = step().detach()
+    try:
+        out = step().detach()
+    except Exception as e:  # one implementation's failure (out of memory, a bug) is its row, not the run's end
+        row.status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return row, None, 0.0
     synchronize(device)
     first_s = time.perf_counter() - t0
     rows = sampled_rows(wl)
@@ -251,10 +271,15 @@ def check_one(
     try:
         err = assert_close_to_oracle(out[rows], ref, plain, name=impl)
         row.max_error, row.allowed_error = err.actual, err.allowed
+        if not bool(out.isfinite().all()):  # every row, beyond the checked ones: the inputs are finite
+            raise AssertionError(f"{impl}: non-finite values outside the checked rows")
         if backward:
             check_gradients(wl, dtype, impl, device)
     except AssertionError as e:
         row.status = f"WRONG: {e}"
+        return row, None, first_s
+    except Exception as e:
+        row.status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return row, None, first_s
     return row, step, first_s
 
@@ -270,7 +295,8 @@ def bench_group(
     progress: Progress | None = None,
 ) -> list[Row]:
     """Check each implementation on one workload against the oracle, then time the right ones in turns
-    (forward, or forward and backward with ``backward``) on the same inputs."""
+    (forward, or forward and backward with ``backward``) on the same inputs. ``ceiling``: the GFLOP/s that
+    each row's ``vs_mm_ceiling`` divides by."""
     q, k, v = (t.requires_grad_(backward) for t in wl.tensors(DTYPES[dtype], device=device))
     out_bytes = q.shape[0] * q.shape[1] * v.shape[2] * q.element_size()
     rows, timed = [], []
@@ -314,10 +340,16 @@ def run_suite(
 ) -> tuple[list[Row], dict]:
     chosen = [w for w in workloads(quick) if not names or w.name in names]
     busy = machine_busy()
-    meta = {
+    meta: dict[str, object] = {
         "torch": torch.__version__,
+        "python": platform.python_version(),
+        "packattn": _version("packattn"),
         "device": device,
+        "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kernel": _kernel_facts() if device == "cpu" else None,
+        "min_time_s": min_time,
         "threads": torch.get_num_threads(),
         "quick": quick,
         "backward": backward,
@@ -333,13 +365,15 @@ def run_suite(
         print(f"WARNING: other work keeps the CPUs {busy:.0%} busy; timings (and ratios) may be distorted")
     ceilings = {dt: mm_ceiling(min_time, DTYPES[dt], device) for dt in dict.fromkeys(["fp32", *dtypes])}
     meta["mm_ceiling_gflops"] = ceilings
+    # A 16-bit kernel may compute in fp32 tiles: its ceiling is the faster of the two matmuls.
+    best = {dt: max(ceilings["fp32"], ceilings[dt]) for dt in dtypes}
     for w in chosen:
         print(f"  {w.name} {w.title}: {w.describe()}")
     progress = Progress(len(chosen) * len(dtypes) * len(impls))
     rows: list[Row] = []
     for w in chosen:
         for dt in dtypes:
-            group = bench_group(w, dt, impls, min_time, ceilings[dt], device, backward, progress)
+            group = bench_group(w, dt, impls, min_time, best[dt], device, backward, progress)
             peers = [r.median_ms for r in group if r.median_ms and IMPLEMENTATIONS[r.impl][1]]
             for r in group:
                 if peers and r.median_ms:
@@ -351,6 +385,46 @@ def run_suite(
     if busy_after > 0.15:
         print(f"WARNING: other work kept the CPUs {busy_after:.0%} busy at the end of the run")
     return rows, meta
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_info(key: str) -> str | None:
+    """A field of /proc/cpuinfo's first processor (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":")[0].strip() == key:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpu_info("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str] | None:
+    """The CPU's flags that decide the kernels' paths (AVX-512, bf16/fp16 dot products, AMX)."""
+    flags = _cpu_info("flags")
+    if flags is None:
+        return None
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_fp16")
+    return [f for f in flags.split() if f in wanted]
+
+
+def _kernel_facts() -> str | None:
+    from ..backends.cpu_kernel import BACKEND
+
+    return BACKEND.details() if BACKEND.unavailable_reason() is None else BACKEND.unavailable_reason()
 
 
 def write_json(path: str, rows: list[Row], meta: dict) -> None:
