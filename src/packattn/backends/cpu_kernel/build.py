@@ -175,7 +175,10 @@ def _load_finished(where: Path, name: str) -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(name, library)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:  # e.g. torch replaced under the same version: built again
+        return None
     return module
 
 
