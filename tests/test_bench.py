@@ -97,12 +97,16 @@ LONG = Workload("L", "long", (300,), (300,), 2, 1, 16, False)
 
 
 def test_a_failing_or_partly_wrong_implementation_is_its_row_and_the_run_goes_on():
-    impls = {"raises": (_raises, True, None), "nan": (_nan_in_an_unchecked_row, True, None)}
+    impls = {
+        "raises": (_raises, True, None),
+        "nan": (_nan_in_an_unchecked_row, True, None),
+        "setup raises": (lambda *args: _raises(*args)[0](), True, None),
+    }
     with mock.patch.dict(peers.IMPLEMENTATIONS, impls):
-        rows = runner.bench_group(LONG, "fp32", ["raises", "nan", "packattn"], 0.01, 1.0)
-    assert rows[0].status == "FAILED: RuntimeError: out of memory"
+        rows = runner.bench_group(LONG, "fp32", ["raises", "nan", "setup raises", "packattn"], 0.01, 1.0)
+    assert rows[0].status == rows[2].status == "FAILED: RuntimeError: out of memory"
     assert rows[1].status == "WRONG: nan: non-finite values outside the checked rows"
-    assert rows[2].status == "ok" and rows[2].backend == "cpu_kernel" and rows[2].median_ms
+    assert rows[3].status == "ok" and rows[3].backend in ("cpu_kernel", "cpu") and rows[3].median_ms
     checked = runner.sampled_rows(LONG)
     assert {63, 64, 127, 128, 255, 256} <= set(checked)  # both sides of the 64-row boundaries
 

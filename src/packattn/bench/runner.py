@@ -236,6 +236,10 @@ def check_gradients(wl: Workload, dtype: str, impl: str, device: str) -> None:
         assert_close_to_oracle(g, ref, plain, name=f"{impl} d{name}")
 
 
+def _failed(e: Exception) -> str:
+    return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def check_one(
     wl: Workload, dtype: str, impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: str, backward: bool
 ) -> tuple[Row, Run | None, float]:
@@ -246,6 +250,9 @@ def check_one(
         run, row.setup = IMPLEMENTATIONS[impl][0](wl, q, k, v)
     except Unsupported as e:
         row.status = f"skipped: {e}"
+        return row, None, 0.0
+    except Exception as e:
+        row.status = _failed(e)
         return row, None, 0.0
     row.backend = row.setup.pop("backend", None)
     step: Run = run
@@ -262,7 +269,7 @@ def check_one(
     try:
         out = step().detach()
     except Exception as e:  # one implementation's failure (out of memory, a bug) is its row, not the run's end
-        row.status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        row.status = _failed(e)
         return row, None, 0.0
     synchronize(device)
     first_s = time.perf_counter() - t0
@@ -279,7 +286,7 @@ def check_one(
         row.status = f"WRONG: {e}"
         return row, None, first_s
     except Exception as e:
-        row.status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        row.status = _failed(e)
         return row, None, first_s
     return row, step, first_s
 
