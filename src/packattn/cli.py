@@ -45,12 +45,8 @@ def _check_bench_arguments(args: argparse.Namespace, parser: argparse.ArgumentPa
     from .bench.peers import IMPLEMENTATIONS
 
     if args.distributed:
-        ignored = [
-            f"--{n.replace('_', '-')}" for n in ("workloads", "impls", "json", "plot", "threads") if getattr(args, n)
-        ]
-        ignored += ["--backward"] if args.backward else []
-        ignored += ["--dtypes"] if args.dtypes != "fp32,bf16" else []
-        ignored += ["--device"] if args.device != "cpu" else []
+        given = ("workloads", "dtypes", "impls", "threads", "device", "backward", "json", "plot")
+        ignored = [f"--{name}" for name in given if getattr(args, name) != parser.get_default(name)]
         if ignored:
             parser.error(f"--distributed takes --quick and --world-size only, got {' '.join(ignored)}")
         if args.world_size < 2:

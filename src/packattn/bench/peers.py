@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import packattn
 from packattn import dispatch
-from packattn.inputs import AttentionInputs, MaskSpec, check_mask
-from packattn.layout import SeqLayout
+from packattn.inputs import MaskSpec, check_mask, needs_grad
+from packattn.ops import _inputs
 
 from .workloads import Workload
 
@@ -211,14 +211,8 @@ def packattn_backend(name: str | None):
         # A compiled backend builds on first use (cpu_kernel: about 30 s): here, not in a timed run.
         for backend in [dispatch.BACKENDS[name]] if name else dispatch.candidates(q.device):
             backend.unavailable_reason()
-        inp = AttentionInputs(
-            q,
-            k,
-            v,
-            SeqLayout.build(cu_q, cu_k, q.shape[0], k.shape[0], cu_seqlens_q_host=host_q, cu_seqlens_k_host=host_k),
-            check_mask(q, softmax_scale=None, causal=wl.causal, window_size=(-1, -1), softcap=0.0, where="bench"),
-            grad=q.requires_grad,
-        )
+        mask = check_mask(q, softmax_scale=None, causal=wl.causal, window_size=(-1, -1), softcap=0.0, where="bench")
+        inp = _inputs(q, k, v, cu_q, cu_k, host_q, host_k, mask, False, needs_grad(q, k, v), False)
         if name:
             why = dispatch.reasons(dispatch.BACKENDS[name], inp)
             if why:
